@@ -1,0 +1,5 @@
+"""Data containers passed between workers."""
+
+from baton.data.proto import DataProto
+
+__all__ = ["DataProto"]

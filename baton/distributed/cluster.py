@@ -1,0 +1,350 @@
+"""`Cluster`: a group of workers of one role, driven as if it were one object.
+
+Every `@register` method of the worker class becomes a method of the cluster with the same name
+and docstring. Calling it splits the arguments by the method's dispatch mode, runs the method on
+the workers (Ray actors, or in-process objects on the local backend), waits with a timeout, and
+collects the results. Several roles can share one process per slot (`create_colocated_clusters`);
+each role is then reached through its own cluster view.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from baton.data import DataProto
+from baton.distributed.backend import HealthMonitor, Source, get_backend
+from baton.distributed.dispatch import Dispatch, Execute, Layout, MethodSpec, get_dispatch_mode, registered_methods
+from baton.distributed.errors import LayoutError
+from baton.distributed.future import CallFuture, DataProtoFuture
+from baton.distributed.resource import Placement, ResourceManager, ResourcePool
+from baton.distributed.worker import Worker, WorkerContext
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A worker class and its constructor arguments, built later inside the worker's process."""
+
+    cls: type
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (isinstance(self.cls, type) and issubclass(self.cls, Worker)):
+            raise TypeError(f"{self.cls!r} is not a subclass of baton.Worker; derive your worker class from Worker")
+
+
+@dataclass
+class WorkerConfig:
+    """How many workers of a role, on which devices, with which limits.
+
+    Give `device_mapping` (global device ids, `num_devices_per_worker` per worker, in rank order)
+    or `world_size` (then devices 0.. of the pool are used). `num_devices_per_worker=0` makes
+    CPU-only workers (reward, data) that are spread over the nodes outside the device slots.
+    Two clusters may use the same devices only if one lists the other in `share_devices_with`.
+    """
+
+    name: str
+    world_size: int | None = None
+    device_mapping: list[int] | None = None
+    num_devices_per_worker: int = 1
+    num_cpus_per_worker: float = 1.0
+    share_devices_with: tuple[str, ...] = ()
+    env_vars: dict[str, str] = field(default_factory=dict)
+    call_timeout_s: float = 1800.0
+    start_timeout_s: float = 120.0
+    health_check_interval_s: float = 2.0
+
+    def resolve_world_size(self, pool: ResourcePool | None) -> tuple[int, list[int] | None]:
+        """(world_size, device_mapping) after defaults; raises LayoutError with the fix when they disagree."""
+        if not self.name:
+            raise LayoutError("WorkerConfig.name is empty; name the role, e.g. 'actor'")
+        k = self.num_devices_per_worker
+        if k < 0:
+            raise LayoutError(f"cluster {self.name!r}: num_devices_per_worker={k} must be >= 0")
+        if k == 0:
+            if self.device_mapping:
+                raise LayoutError(f"cluster {self.name!r}: CPU-only workers (num_devices_per_worker=0) take no device_mapping; remove it")
+            if not self.world_size or self.world_size < 1:
+                raise LayoutError(f"cluster {self.name!r}: CPU-only workers need world_size >= 1")
+            return self.world_size, None
+        mapping = self.device_mapping
+        if mapping is None and pool is not None:
+            mapping = list(pool.device_ids)
+            if self.world_size is not None:
+                mapping = mapping[: self.world_size * k]
+        if mapping is None and self.world_size is not None:
+            mapping = list(range(self.world_size * k))
+        if mapping is None:
+            raise LayoutError(f"cluster {self.name!r}: set device_mapping (e.g. [0, 1]) or world_size")
+        if len(mapping) % k:
+            raise LayoutError(
+                f"cluster {self.name!r}: device_mapping has {len(mapping)} devices, not a multiple of num_devices_per_worker={k}"
+            )
+        world_size = len(mapping) // k
+        if self.world_size is not None and self.world_size != world_size:
+            raise LayoutError(
+                f"cluster {self.name!r}: world_size={self.world_size} but device_mapping gives {world_size} workers "
+                f"({len(mapping)} devices / {k} per worker); drop world_size or make them agree"
+            )
+        if pool is not None and not set(mapping) <= set(pool.device_ids):
+            raise LayoutError(f"cluster {self.name!r}: devices {sorted(set(mapping) - set(pool.device_ids))} are not in the given pool")
+        return world_size, list(mapping)
+
+
+class _Group:
+    """The processes behind one or more cluster views: hosts, placement and health monitor."""
+
+    def __init__(self, roles: dict[str, WorkerSpec], config: WorkerConfig, resources: ResourceManager | ResourcePool):
+        self.manager = resources if isinstance(resources, ResourceManager) else resources.manager
+        pool = resources if isinstance(resources, ResourcePool) else None
+        self.roles = roles
+        self.config = config
+        self.name = config.name
+        self.backend = get_backend(self.manager.backend)
+        self.world_size, mapping = config.resolve_world_size(pool)
+        self.placements: list[Placement] = self.manager.place(
+            config.name, self.world_size, mapping, config.num_devices_per_worker, config.num_cpus_per_worker,
+            config.share_devices_with,
+        )
+        self.hosts: list = []
+        self.monitor: HealthMonitor | None = None
+
+    def sources(self, method: str) -> list[Source]:
+        return [Source(self.name, rank, method) for rank in range(self.world_size)]
+
+    def create_hosts(self) -> None:
+        run = self.manager.run_name
+        self.hosts = [
+            self.backend.create_host(f"{run}:{self.name}:{rank}", placement.ray_options)
+            for rank, placement in enumerate(self.placements)
+        ]
+
+    def construct(self) -> list:
+        """Start every role's worker on every host; returns the pending refs."""
+        self.backend.wait_started(self.hosts, self.sources("start"), self.config.start_timeout_s)
+        [(addr, port)] = self.backend.get(
+            [self.backend.submit(self.hosts[0], "master_address")], self.sources("master_address")[:1],
+            self.config.start_timeout_s,
+        )
+        roles = {role: (spec.cls, spec.args, spec.kwargs) for role, spec in self.roles.items()}
+        refs = []
+        for rank, (host, placement) in enumerate(zip(self.hosts, self.placements)):
+            context = WorkerContext(
+                cluster_name=self.name, rank=rank, world_size=self.world_size, local_rank=placement.local_rank,
+                local_world_size=placement.local_world_size, master_addr=addr, master_port=port,
+                device_ids=placement.device_ids, node_index=placement.node_index,
+            )
+            refs.append(self.backend.submit(host, "construct", roles, context, dict(self.config.env_vars)))
+        return refs
+
+    def await_construct(self, refs: list) -> None:
+        self.backend.get(refs, self.sources("__init__"), self.config.start_timeout_s + self.config.call_timeout_s)
+        if self.manager.backend == "ray" and self.config.health_check_interval_s > 0:
+            self.monitor = HealthMonitor(self.hosts, self.config.health_check_interval_s)
+
+    def dead_check(self):
+        return self.monitor.check if self.monitor is not None else None
+
+    def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        for host in self.hosts:
+            self.backend.kill(host)
+        self.hosts = []
+        self.manager.release(self.name)
+
+
+class Cluster:
+    """A group of workers of one role; its `@register` methods are callable as methods of this object.
+
+    `Cluster(MyWorker, WorkerConfig(name="actor", device_mapping=[0, 1]), resource_manager)`, or pass
+    a `WorkerSpec(MyWorker, args, kwargs)` to give the workers constructor arguments. The backend
+    (Ray or local) is the resource manager's.
+    """
+
+    def __init__(self, worker: type | WorkerSpec, config: WorkerConfig, resources: ResourceManager | ResourcePool, *, _start: bool = True):
+        spec = worker if isinstance(worker, WorkerSpec) else WorkerSpec(worker)
+        self._attach(_Group({config.name: spec}, config, resources), config.name)
+        if _start:
+            _start_groups([self._group])
+
+    @classmethod
+    def _view(cls, group: _Group, role: str) -> "Cluster":
+        view = cls.__new__(cls)
+        view._attach(group, role)
+        return view
+
+    def _attach(self, group: _Group, role: str) -> None:
+        self._group = group
+        self._role = role
+        self._layout: Layout | None = None
+        self.worker_cls = group.roles[role].cls
+        for name, spec in registered_methods(self.worker_cls).items():
+            if hasattr(Cluster, name):
+                raise ValueError(f"{self.worker_cls.__name__}.{name} clashes with Cluster.{name}; rename the worker method")
+            setattr(self, name, self._make_method(name, spec))
+
+    def _make_method(self, name: str, spec: MethodSpec):
+        def method(*args, **kwargs):
+            return self._call(name, spec, args, kwargs)
+
+        return functools.update_wrapper(method, getattr(self.worker_cls, name))
+
+    @property
+    def name(self) -> str:
+        return self._role
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    @property
+    def placements(self) -> list[Placement]:
+        return list(self._group.placements)
+
+    @property
+    def layout(self) -> Layout:
+        """Every worker's `RankInfo`, read from the workers once and cached until a non-dp call."""
+        if self._layout is None:
+            group = self._group
+            refs = [group.backend.submit(h, "rank_info", self._role) for h in group.hosts]
+            infos = group.backend.get(refs, group.sources("rank_info"), group.config.call_timeout_s, group.dead_check())
+            sizes = {(i.dp_size, i.tp_size, i.pp_size, i.cp_size) for i in infos}
+            if len(sizes) != 1 or (n := next(iter(sizes)))[0] * n[1] * n[2] * n[3] != self.world_size:
+                raise ValueError(
+                    f"cluster {self.name!r}: workers report layouts {sorted(sizes)} (dp, tp, pp, cp); all must agree and "
+                    f"multiply to world_size={self.world_size}"
+                )
+            self._layout = Layout(self.world_size, tuple(infos))
+        return self._layout
+
+    def refresh_rank_info(self) -> None:
+        self._layout = None
+
+    def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
+        group = self._group
+        mode = get_dispatch_mode(spec.dispatch_mode)
+        layout = self.layout
+        args, kwargs, num_pad_rows = _pad_for_dp(args, kwargs, layout.dp_size) if spec.auto_padding else (args, kwargs, 0)
+        per_worker = mode.dispatch_fn(layout, args, kwargs)
+        rank_zero_only = spec.execute_mode == Execute.RANK_ZERO
+        ranks = [0] if rank_zero_only else list(range(self.world_size))
+        collect = [0] if rank_zero_only else mode.collect_ranks(layout)
+        wants_lengths = mode.returns_data and not spec.blocking and not rank_zero_only
+        refs, length_refs = {}, {}
+        for rank in ranks:
+            call_args = (self._role, method, *per_worker[rank], spec.materialize_futures)
+            if wants_lengths and rank in collect:
+                length_refs[rank], refs[rank] = group.backend.submit(group.hosts[rank], "call_returning_length", *call_args, num_returns=2)
+            else:
+                refs[rank] = group.backend.submit(group.hosts[rank], "call", *call_args)
+        if mode.name in (Dispatch.ONE_TO_ALL, Dispatch.ONE_TO_ALL_ONE, Dispatch.ALL_TO_ALL):
+            self._layout = None  # such calls may change a worker's RankInfo (e.g. a model-building call)
+        sources = [Source(self.name, rank, method) for rank in ranks]
+        timeout_s, dead_check = group.config.call_timeout_s, group.dead_check()
+
+        def finish(outputs: list) -> Any:
+            by_rank = dict(zip(ranks, outputs))
+            if rank_zero_only:
+                return by_rank[0]
+            collected = [by_rank[r] for r in collect]
+            if spec.auto_padding:
+                _check_rows_kept(self.name, method, [per_worker[r] for r in collect], collected)
+            result = mode.collect_fn(layout, collected)
+            if num_pad_rows and isinstance(result, DataProto):
+                result = result.unpadded(num_pad_rows)
+            return result
+
+        if spec.blocking:
+            return finish(group.backend.get(list(refs.values()), sources, timeout_s, dead_check))
+        if wants_lengths:
+            return DataProtoFuture(
+                [refs[r] for r in collect], group.backend.name, length_refs=[length_refs[r] for r in collect],
+                num_pad_rows=num_pad_rows, sources=[Source(self.name, r, method) for r in collect],
+                _dead_check=dead_check, _timeout_s=timeout_s,
+            )
+        return CallFuture(list(refs.values()), sources, group.backend.name, finish, timeout_s, dead_check)
+
+    def shutdown(self) -> None:
+        """Stop this cluster's worker processes (for a colocated view: the shared processes) and free its devices."""
+        self._group.shutdown()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Cluster({self.name!r}, {self.worker_cls.__name__}, world_size={self.world_size}, backend={self._group.backend.name!r})"
+
+
+def _pad_for_dp(args: tuple, kwargs: dict, dp_size: int) -> tuple[tuple, dict, int]:
+    pads = set()
+
+    def pad(value):
+        if isinstance(value, DataProto):
+            padded, num = value.padded(dp_size)
+            pads.add(num)
+            return padded
+        if isinstance(value, DataProtoFuture):
+            padded, num = value.padded(dp_size)
+            pads.add(num)
+            return padded
+        return value
+
+    args = tuple(pad(a) for a in args)
+    kwargs = {k: pad(v) for k, v in kwargs.items()}
+    if len(pads) > 1:
+        raise ValueError(f"DataProto arguments of one dp call must have the same length; they need padding {sorted(pads)}")
+    return args, kwargs, pads.pop() if pads else 0
+
+
+def _check_rows_kept(cluster: str, method: str, inputs: list[tuple[tuple, dict]], outputs: list) -> None:
+    for (args, kwargs), output in zip(inputs, outputs):
+        rows_in = next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, DataProtoFuture))), None)
+        if rows_in is not None and isinstance(output, DataProto) and len(output) != rows_in:
+            raise ValueError(
+                f"{cluster}.{method} is registered with auto_padding but returned {len(output)} rows for {rows_in} input rows; "
+                "auto padding can only strip padding from row-preserving methods; turn it off for this method"
+            )
+
+
+def _start_groups(groups: Sequence[_Group]) -> None:
+    try:
+        for group in groups:
+            group.create_hosts()
+        pending = [group.construct() for group in groups]
+        for group, refs in zip(groups, pending):
+            group.await_construct(refs)
+    except BaseException:
+        for group in groups:
+            group.shutdown()
+        raise
+
+
+def create_clusters_parallel(
+    requests: Sequence[tuple[type | WorkerSpec, WorkerConfig]], resources: ResourceManager | ResourcePool
+) -> list[Cluster]:
+    """Build several clusters at once: all their processes start together, then all workers construct together."""
+    clusters = [Cluster(worker, config, resources, _start=False) for worker, config in requests]
+    _start_groups([c._group for c in clusters])
+    return clusters
+
+
+def create_colocated_clusters(
+    roles: dict[str, type | WorkerSpec], config: WorkerConfig, resources: ResourceManager | ResourcePool
+) -> dict[str, Cluster]:
+    """Several roles fused into one process per slot (verl's colocated workers).
+
+    Each role's worker is built in the same process, so roles can share tensors without copies;
+    each is returned as its own cluster view, named by its role.
+    """
+    specs = {role: w if isinstance(w, WorkerSpec) else WorkerSpec(w) for role, w in roles.items()}
+    if not specs:
+        raise ValueError("create_colocated_clusters needs at least one role")
+    group = _Group(specs, config, resources)
+    _start_groups([group])
+    return {role: Cluster._view(group, role) for role in specs}

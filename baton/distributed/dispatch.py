@@ -1,0 +1,258 @@
+"""`@register`: how a worker method's call fans out over a cluster and how the results come back.
+
+A registered method carries a `MethodSpec` (kept in an explicit dict keyed by the function). The
+dispatch mode is looked up by name in `DISPATCH_MODES`; add your own with `register_dispatch_mode`.
+The same functions serve the Ray and the local backend.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from baton.data import DataProto
+from baton.distributed.worker import RankInfo
+
+
+class Dispatch(enum.StrEnum):
+    ONE_TO_ALL = "one_to_all"  # same arguments to every worker; list of every result
+    ONE_TO_ALL_ONE = "one_to_all_one"  # same arguments to every worker; rank 0's result
+    ALL_TO_ALL = "all_to_all"  # argument lists of length world_size, element i to worker i; list
+    DP_COMPUTE = "dp_compute"  # DataProto split by dp rank; dp-ordered concat from collecting ranks
+    DP_COMPUTE_METRIC = "dp_compute_metric"  # as DP_COMPUTE; list of per-dp-rank results
+    DP_DISPATCH_FIRST = "dp_dispatch_first"  # dp shard to each mp group's first rank only; as DP_COMPUTE
+
+
+class Execute(enum.StrEnum):
+    ALL = "all"  # run on every worker
+    RANK_ZERO = "rank_zero"  # run on rank 0 only; the call returns rank 0's result
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a dispatch function may know about the cluster it splits a call over."""
+
+    world_size: int
+    rank_infos: tuple[RankInfo, ...]
+
+    @property
+    def dp_size(self) -> int:
+        return self.rank_infos[0].dp_size
+
+    def collect_ranks(self) -> list[int]:
+        """The collecting rank of each dp group, in dp order; checks every dp rank appears once."""
+        by_dp: dict[int, int] = {}
+        for rank, info in enumerate(self.rank_infos):
+            if info.is_collect_rank:
+                if info.dp_rank in by_dp:
+                    raise ValueError(
+                        f"ranks {by_dp[info.dp_rank]} and {rank} both collect dp rank {info.dp_rank}; "
+                        "exactly one rank per dp group may have tp_rank=0, cp_rank=0 and the last pp stage"
+                    )
+                by_dp[info.dp_rank] = rank
+        missing = sorted(set(range(self.dp_size)) - set(by_dp))
+        if missing:
+            raise ValueError(f"no collecting rank for dp ranks {missing}; check the workers' set_rank_info() calls")
+        return [by_dp[d] for d in range(self.dp_size)]
+
+
+PerWorkerArgs = list[tuple[tuple, dict]]
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    """A named way to split a call.
+
+    `dispatch_fn(layout, args, kwargs)` returns one `(args, kwargs)` per rank (length world_size).
+    `collect_fn(layout, outputs)` turns the collected outputs into the call's result.
+    `collect_ranks_fn(layout)` says whose outputs are collected, in order (default: every rank).
+    `returns_data`: outputs are DataProto shards in row order, concatenated by `collect_fn`; a
+    non-blocking call then returns a `DataProtoFuture` that another cluster can consume directly.
+    """
+
+    name: str
+    dispatch_fn: Callable[[Layout, tuple, dict], PerWorkerArgs]
+    collect_fn: Callable[[Layout, list], Any]
+    collect_ranks_fn: Callable[[Layout], list[int]] | None = None
+    returns_data: bool = False
+
+    def collect_ranks(self, layout: Layout) -> list[int]:
+        if self.collect_ranks_fn is None:
+            return list(range(layout.world_size))
+        return self.collect_ranks_fn(layout)
+
+
+DISPATCH_MODES: dict[str, DispatchMode] = {}
+
+
+def register_dispatch_mode(
+    name: str,
+    dispatch_fn: Callable[[Layout, tuple, dict], PerWorkerArgs],
+    collect_fn: Callable[[Layout, list], Any],
+    collect_ranks_fn: Callable[[Layout], list[int]] | None = None,
+) -> str:
+    """Add a custom dispatch mode; use the returned name as `@register(dispatch_mode=name)`."""
+    if name in DISPATCH_MODES:
+        raise ValueError(f"dispatch mode {name!r} is already registered; pick another name")
+    DISPATCH_MODES[name] = DispatchMode(name, dispatch_fn, collect_fn, collect_ranks_fn)
+    return name
+
+
+def get_dispatch_mode(name: str) -> DispatchMode:
+    try:
+        return DISPATCH_MODES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown dispatch mode {name!r}; valid: {sorted(DISPATCH_MODES)} "
+            "(add one with register_dispatch_mode)"
+        ) from None
+
+
+# --- @register ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    dispatch_mode: str
+    execute_mode: Execute
+    blocking: bool
+    materialize_futures: bool
+    auto_padding: bool
+
+
+_METHOD_SPECS: dict[Callable, MethodSpec] = {}
+
+
+def register(
+    dispatch_mode: str = Dispatch.ONE_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
+    auto_padding: bool = False,
+):
+    """Expose a worker method to the driver as a method of its cluster.
+
+    blocking: the cluster method waits and returns the collected result; with False it returns
+        a future (`DataProtoFuture` for DataProto-returning dp modes, else a `CallFuture`).
+    materialize_futures: futures among the arguments are fetched on the worker before the call;
+        with False the method receives them as `DataProtoFuture` and calls `.get()` itself.
+    auto_padding: dp modes only. Pad DataProto arguments (repeating rows) so every dp rank gets
+        the same row count, and strip the padding rows from the output. Off by default: shards
+        may differ by one row and no sample is duplicated. The method must return one row per
+        input row.
+    """
+    mode = get_dispatch_mode(str(dispatch_mode))
+    if auto_padding and not mode.returns_data and mode.name != Dispatch.DP_COMPUTE_METRIC:
+        raise ValueError(f"auto_padding applies to the dp dispatch modes only, not {mode.name!r}")
+    spec = MethodSpec(mode.name, Execute(execute_mode), blocking, materialize_futures, auto_padding)
+
+    def decorator(fn):
+        _METHOD_SPECS[fn] = spec
+        return fn
+
+    return decorator
+
+
+def registered_methods(cls: type) -> dict[str, MethodSpec]:
+    """The `@register` methods of a worker class, by name (a subclass override without `@register` hides one)."""
+    methods: dict[str, MethodSpec] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attr in vars(klass).items():
+            spec = _METHOD_SPECS.get(attr) if callable(attr) else None
+            if spec is not None:
+                methods[name] = spec
+            else:
+                methods.pop(name, None)
+    return methods
+
+
+# --- built-in modes -----------------------------------------------------------------------------
+
+
+def _one_to_all(layout: Layout, args: tuple, kwargs: dict) -> PerWorkerArgs:
+    return [(args, kwargs)] * layout.world_size
+
+
+def _all_to_all(layout: Layout, args: tuple, kwargs: dict) -> PerWorkerArgs:
+    n = layout.world_size
+    for where, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != n:
+            raise ValueError(
+                f"ALL_TO_ALL needs every argument to be a list of length world_size={n}; {where} is {type(value).__name__}"
+                + (f" of length {len(value)}" if isinstance(value, Sequence) else "")
+            )
+    return [
+        (tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()})
+        for rank in range(n)
+    ]
+
+
+def _is_data(value) -> bool:
+    from baton.distributed.future import DataProtoFuture
+
+    return isinstance(value, (DataProto, DataProtoFuture))
+
+
+def split_dp_args(layout: Layout, args: tuple, kwargs: dict, *, first_mp_rank_only: bool) -> PerWorkerArgs:
+    """Split every DataProto (or DataProtoFuture) argument into dp_size shards; other arguments are broadcast."""
+    dp_size = layout.dp_size
+    lengths = {k: len(v) for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, DataProto)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"DataProto arguments of one dp call must have the same length; got {lengths}")
+    shards_of = {
+        key: value.chunk(dp_size) for key, value in [*enumerate(args), *kwargs.items()] if _is_data(value)
+    }
+    per_worker = []
+    for info in layout.rank_infos:
+        send = info.is_first_mp_rank or not first_mp_rank_only
+
+        def pick(key, value):
+            if key not in shards_of:
+                return value
+            return shards_of[key][info.dp_rank] if send else None
+
+        per_worker.append(
+            (tuple(pick(i, a) for i, a in enumerate(args)), {k: pick(k, v) for k, v in kwargs.items()})
+        )
+    return per_worker
+
+
+def _concat(layout: Layout, outputs: list) -> DataProto:
+    return DataProto.concat(outputs)
+
+
+def _as_list(layout: Layout, outputs: list) -> list:
+    return list(outputs)
+
+
+def _collect_ranks(layout: Layout) -> list[int]:
+    return layout.collect_ranks()
+
+
+for _mode in [
+    DispatchMode(Dispatch.ONE_TO_ALL, _one_to_all, _as_list),
+    DispatchMode(Dispatch.ONE_TO_ALL_ONE, _one_to_all, lambda layout, outputs: outputs[0], lambda layout: [0]),
+    DispatchMode(Dispatch.ALL_TO_ALL, _all_to_all, _as_list),
+    DispatchMode(
+        Dispatch.DP_COMPUTE,
+        lambda layout, a, kw: split_dp_args(layout, a, kw, first_mp_rank_only=False),
+        _concat,
+        _collect_ranks,
+        returns_data=True,
+    ),
+    DispatchMode(
+        Dispatch.DP_COMPUTE_METRIC,
+        lambda layout, a, kw: split_dp_args(layout, a, kw, first_mp_rank_only=False),
+        _as_list,
+        _collect_ranks,
+    ),
+    DispatchMode(
+        Dispatch.DP_DISPATCH_FIRST,
+        lambda layout, a, kw: split_dp_args(layout, a, kw, first_mp_rank_only=True),
+        _concat,
+        _collect_ranks,
+        returns_data=True,
+    ),
+]:
+    DISPATCH_MODES[_mode.name] = _mode

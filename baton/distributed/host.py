@@ -1,0 +1,68 @@
+"""The object that lives in each worker process and runs the worker methods the driver calls.
+
+One host per rank. It holds one worker instance per role: a plain cluster has one role, a
+colocated (fused) cluster has several that share the process and its devices. The Ray backend
+wraps this class in an actor; the local backend keeps instances in the driver's process.
+"""
+
+from __future__ import annotations
+
+import os
+
+from baton.data import DataProto
+from baton.distributed.worker import RankInfo, WorkerContext, find_free_port, node_ip_address
+
+
+class WorkerHost:
+    def __init__(self, sets_environment: bool):
+        self._sets_environment = sets_environment
+        self._workers: dict[str, object] = {}
+        self._master: tuple[str, int] | None = None
+
+    def master_address(self) -> tuple[str, int]:
+        """Address and a free port on this host's node, for torch.distributed's rendezvous (asked of rank 0)."""
+        if self._master is None:
+            self._master = (node_ip_address(), find_free_port())
+        return self._master
+
+    def construct(self, roles: dict[str, tuple[type, tuple, dict]], context: WorkerContext, env: dict[str, str]) -> None:
+        """Build each role's worker: attach its context, then run its `__init__`."""
+        if self._sets_environment:
+            os.environ.update(context.env_vars())
+            os.environ.update(env)
+        for role, (cls, args, kwargs) in roles.items():
+            worker = cls.__new__(cls)
+            worker._baton_attach(context)
+            worker.__init__(*args, **kwargs)
+            self._workers[role] = worker
+
+    def call(self, role: str, method: str, args: tuple, kwargs: dict, materialize: bool):
+        if materialize:
+            args = tuple(_materialize(a) for a in args)
+            kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+        return getattr(self._workers[role], method)(*args, **kwargs)
+
+    def call_returning_length(self, role: str, method: str, args: tuple, kwargs: dict, materialize: bool):
+        """As `call`, but also returns the output's row count, so the driver can plan a re-split without the data."""
+        output = self.call(role, method, args, kwargs, materialize)
+        if not isinstance(output, DataProto):
+            raise TypeError(
+                f"{type(self._workers[role]).__name__}.{method} is registered with a DataProto dispatch mode "
+                f"but returned {type(output).__name__}; return a DataProto or use DP_COMPUTE_METRIC"
+            )
+        return len(output), output
+
+    def rank_info(self, role: str) -> RankInfo:
+        return self._workers[role].rank_info
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> bool:
+        return True
+
+
+def _materialize(value):
+    from baton.distributed.future import DataProtoFuture
+
+    return value.get() if isinstance(value, DataProtoFuture) else value

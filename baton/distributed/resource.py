@@ -1,0 +1,259 @@
+"""Devices and where workers go: `ResourceManager`, `ResourcePool`, and `device_mapping` placement.
+
+The manager numbers every device slot of the cluster it manages: node 0's slots are 0..k-1,
+node 1's are k..2k-1, and so on. A slot is a GPU, or a CPU when the Ray cluster has no GPUs. On
+Ray it reserves one placement group per node, one bundle per slot; a worker runs in the bundle
+of its first device and asks only a sliver of it, so clusters that time-share devices (training
+and inference on the same GPUs) fit side by side. Overlap is allowed only when asked for.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from baton.distributed.errors import LayoutError
+
+_SLIVER = 0.01  # resource a worker asks of its device's bundle; leaves room for time-sharing clusters
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker goes."""
+
+    node_index: int
+    device_ids: tuple[int, ...]
+    local_rank: int
+    local_world_size: int
+    ray_options: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+class ResourceManager:
+    """The devices baton may use: `num_nodes` × `num_devices_per_node` slots.
+
+    backend "ray": discovered from the running Ray cluster (call `ray.init` first); a slot is a
+    GPU, or a CPU on a cluster without GPUs. Defaults: every alive node that has a slot, and the
+    smallest per-node slot count among them. CPU-only workers (no devices) are spread over these
+    nodes and need free CPUs beside the reserved slots: on a CPU-only cluster, reserve fewer
+    slots than the node has CPUs.
+    backend "local": a virtual layout for in-process clusters (default one node of one slot).
+    """
+
+    def __init__(
+        self,
+        num_nodes: int | None = None,
+        num_devices_per_node: int | None = None,
+        *,
+        backend: str = "ray",
+        num_cpus_per_gpu: float = 1.0,
+        run_name: str | None = None,
+        ready_timeout_s: float = 60.0,
+    ):
+        self.backend = backend
+        self.run_name = run_name or f"baton-{uuid.uuid4().hex[:8]}"
+        self._claims: dict[int, list[str]] = {}
+        self._placement_groups: list = []
+        if backend == "local":
+            self.device_kind = "CPU"
+            self.num_nodes = num_nodes or 1
+            self.num_devices_per_node = num_devices_per_node or 1
+            self._node_ids = [f"local-{i}" for i in range(self.num_nodes)]
+        elif backend == "ray":
+            self._reserve_on_ray(num_nodes, num_devices_per_node, num_cpus_per_gpu, ready_timeout_s)
+        else:
+            raise ValueError(f"unknown backend {backend!r}; valid: ['local', 'ray']")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.num_devices_per_node
+
+    def pool(self, device_ids: Sequence[int] | None = None) -> "ResourcePool":
+        """A pool over some (default: all) of this manager's devices."""
+        ids = tuple(range(self.num_devices)) if device_ids is None else tuple(device_ids)
+        self._check_ids(ids, "pool")
+        return ResourcePool(self, ids)
+
+    # --- placement -------------------------------------------------------------------------
+
+    def place(
+        self,
+        cluster_name: str,
+        world_size: int,
+        device_mapping: Sequence[int] | None,
+        num_devices_per_worker: int,
+        num_cpus_per_worker: float,
+        share_devices_with: Sequence[str] = (),
+    ) -> list[Placement]:
+        """Validate a cluster's layout, claim its devices, and say where each worker goes."""
+        if num_devices_per_worker == 0:
+            return self._place_cpu_only(world_size, num_cpus_per_worker)
+        mapping = tuple(device_mapping)
+        self._check_ids(mapping, f"cluster {cluster_name!r} device_mapping")
+        if len(mapping) != world_size * num_devices_per_worker:
+            raise LayoutError(
+                f"cluster {cluster_name!r}: device_mapping has {len(mapping)} devices but world_size={world_size} × "
+                f"num_devices_per_worker={num_devices_per_worker} needs {world_size * num_devices_per_worker}; "
+                "change one of them so they agree"
+            )
+        self._claim(cluster_name, mapping, share_devices_with)
+        placements, per_node = [], {}
+        for rank in range(world_size):
+            devices = mapping[rank * num_devices_per_worker : (rank + 1) * num_devices_per_worker]
+            nodes = {d // self.num_devices_per_node for d in devices}
+            if len(nodes) > 1:
+                self.release(cluster_name)
+                raise LayoutError(
+                    f"cluster {cluster_name!r}: worker {rank} would span nodes {sorted(nodes)} (devices {list(devices)}); "
+                    f"a worker's devices must be on one node of {self.num_devices_per_node} devices"
+                )
+            per_node.setdefault(nodes.pop(), []).append(rank)
+        for rank in range(world_size):
+            devices = mapping[rank * num_devices_per_worker : (rank + 1) * num_devices_per_worker]
+            node = devices[0] // self.num_devices_per_node
+            placements.append(
+                Placement(node, devices, per_node[node].index(rank), len(per_node[node]), self._device_options(devices[0]))
+            )
+        return placements
+
+    def release(self, cluster_name: str) -> None:
+        for users in self._claims.values():
+            while cluster_name in users:
+                users.remove(cluster_name)
+
+    def _claim(self, cluster_name: str, device_ids: Sequence[int], share_devices_with: Sequence[str]) -> None:
+        for device in device_ids:
+            others = [u for u in self._claims.get(device, []) if u != cluster_name and u not in share_devices_with]
+            if others:
+                raise LayoutError(
+                    f"cluster {cluster_name!r}: device {device} is already used by cluster {others[0]!r}; pick free devices, "
+                    f"or set share_devices_with=[{others[0]!r}] to time-share them (roles that offload between turns)"
+                )
+        for device in device_ids:
+            self._claims.setdefault(device, []).append(cluster_name)
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        if not ids:
+            raise LayoutError(f"{what} is empty; list at least one device id")
+        bad = [d for d in ids if not isinstance(d, int) or not 0 <= d < self.num_devices]
+        if bad:
+            raise LayoutError(
+                f"{what}: device ids {bad} are out of range; this ResourceManager has {self.num_devices} devices "
+                f"({self.num_nodes} node(s) × {self.num_devices_per_node}), ids 0..{self.num_devices - 1}"
+            )
+        dupes = sorted({d for d in ids if list(ids).count(d) > 1})
+        if dupes:
+            raise LayoutError(f"{what}: device ids {dupes} appear more than once; list each device once")
+
+    def _place_cpu_only(self, world_size: int, num_cpus_per_worker: float) -> list[Placement]:
+        per_node = [[r for r in range(world_size) if r % self.num_nodes == n] for n in range(self.num_nodes)]
+        return [
+            Placement(rank % self.num_nodes, (), per_node[rank % self.num_nodes].index(rank),
+                      len(per_node[rank % self.num_nodes]), self._cpu_options(rank % self.num_nodes, num_cpus_per_worker))
+            for rank in range(world_size)
+        ]
+
+    # --- ray ---------------------------------------------------------------------------------
+
+    def _reserve_on_ray(self, num_nodes, num_devices_per_node, num_cpus_per_gpu, ready_timeout_s) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        if not ray.is_initialized():
+            raise RuntimeError("ResourceManager(backend='ray') needs a running Ray: call ray.init(...) first")
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        self.device_kind = "GPU" if any(n["Resources"].get("GPU", 0) >= 1 for n in nodes) else "CPU"
+        slots = {n["NodeID"]: int(n["Resources"].get(self.device_kind, 0)) for n in nodes}
+        usable = [n for n in nodes if slots[n["NodeID"]] >= 1]
+        self.num_devices_per_node = num_devices_per_node or min(slots[n["NodeID"]] for n in usable)
+        usable = [n for n in usable if slots[n["NodeID"]] >= self.num_devices_per_node]
+        self.num_nodes = num_nodes or len(usable)
+        if self.num_nodes > len(usable):
+            raise LayoutError(
+                f"asked for {self.num_nodes} node(s) with {self.num_devices_per_node} {self.device_kind} each, but the Ray "
+                f"cluster has {len(usable)} such node(s) ({ {n['NodeManagerAddress']: slots[n['NodeID']] for n in nodes} }); "
+                "lower num_nodes or num_devices_per_node"
+            )
+        here = ray.get_runtime_context().get_node_id()
+        usable.sort(key=lambda n: (n["NodeID"] != here, n["NodeManagerAddress"], n["NodeID"]))
+        bundle = {"GPU": 1, "CPU": num_cpus_per_gpu} if self.device_kind == "GPU" else {"CPU": 1}
+        groups = [
+            placement_group([dict(bundle)] * self.num_devices_per_node, strategy="STRICT_PACK",
+                            name=f"{self.run_name}:node{i}", _soft_target_node_id=node["NodeID"])
+            for i, node in enumerate(usable[: self.num_nodes])
+        ]
+        ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=ready_timeout_s)
+        if len(ready) < len(groups):
+            for group in groups:
+                ray.util.remove_placement_group(group)
+            raise LayoutError(
+                f"could not reserve {self.num_nodes} × {self.num_devices_per_node} {self.device_kind} slots within "
+                f"{ready_timeout_s:.0f} s (free now: {ray.available_resources()}); lower num_devices_per_node or num_nodes"
+            )
+        # Order the groups by the node they landed on, so device ids follow node order.
+        order = [n["NodeID"] for n in usable]
+        landed = [placement_group_table(g)["bundles_to_node_id"][0] for g in groups]
+        ranked = sorted(zip(groups, landed), key=lambda gl: order.index(gl[1]) if gl[1] in order else len(order))
+        self._placement_groups = [g for g, _ in ranked]
+        self._node_ids = [node for _, node in ranked]
+
+    def _device_options(self, device_id: int) -> dict:
+        if self.backend != "ray":
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = self._placement_groups[device_id // self.num_devices_per_node]
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=device_id % self.num_devices_per_node)
+        options = {"scheduling_strategy": strategy, "num_cpus": _SLIVER}
+        if self.device_kind == "GPU":
+            options["num_gpus"] = _SLIVER
+        return options
+
+    def _cpu_options(self, node_index: int, num_cpus: float) -> dict:
+        if self.backend != "ray":
+            return {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self._node_ids[node_index], soft=False),
+                "num_cpus": num_cpus}
+
+    def node_id(self, node_index: int) -> str:
+        return self._node_ids[node_index]
+
+    def shutdown(self) -> None:
+        """Give the reserved placement groups back to Ray."""
+        if self.backend == "ray":
+            import ray
+
+            for group in self._placement_groups:
+                ray.util.remove_placement_group(group)
+        self._placement_groups = []
+
+
+@dataclass(frozen=True)
+class ResourcePool:
+    """An ordered set of a manager's devices: what a cluster's `device_mapping` is drawn from."""
+
+    manager: ResourceManager
+    device_ids: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.device_ids)
+
+    def split(self, sizes: Sequence[int]) -> list["ResourcePool"]:
+        """Consecutive sub-pools of the given sizes, which must add up to this pool's size."""
+        if sum(sizes) != len(self) or any(s < 1 for s in sizes):
+            raise LayoutError(f"cannot split a pool of {len(self)} devices into sizes {list(sizes)}; sizes must be >= 1 and sum to {len(self)}")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [ResourcePool(self.manager, self.device_ids[s : s + n]) for s, n in zip(starts, sizes)]
+
+    @staticmethod
+    def merge(*pools: "ResourcePool") -> "ResourcePool":
+        """One pool over the devices of several disjoint pools of the same manager, in order."""
+        if not pools or any(p.manager is not pools[0].manager for p in pools):
+            raise LayoutError("merge needs one or more pools of the same ResourceManager")
+        ids = tuple(d for p in pools for d in p.device_ids)
+        shared = sorted({d for d in ids if ids.count(d) > 1})
+        if shared:
+            raise LayoutError(f"cannot merge pools that share devices {shared}; merge disjoint pools only")
+        return ResourcePool(pools[0].manager, ids)

@@ -1,0 +1,150 @@
+"""The `Worker` base class: what every role running in a cluster knows about its place in it."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A worker's coordinates in the parallel layout of its cluster.
+
+    Plain data parallel by default (`dp_rank == rank`, every other size 1). A worker whose backend
+    shards the model (tensor/pipeline/context parallel) replaces it with `Worker.set_rank_info`.
+    Workers that share a `dp_rank` form one model-parallel group: they receive the same data shard,
+    and only the group's collecting rank (tp 0, cp 0, last pp stage) returns output.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    def __post_init__(self):
+        for axis in ("dp", "tp", "pp", "cp"):
+            rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"RankInfo: {axis}_rank={rank} must lie in [0, {axis}_size={size})")
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """True for the one rank per dp group whose output is collected."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_first_mp_rank(self) -> bool:
+        """True for the first rank of its model-parallel group (tp 0, pp 0, cp 0)."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where a worker sits: set by the cluster before the worker's `__init__` runs."""
+
+    cluster_name: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    device_ids: tuple[int, ...] = ()  # global device ids (ResourceManager numbering); () for CPU-only workers
+    node_index: int = 0
+
+    def env_vars(self) -> dict[str, str]:
+        """The environment torch.distributed's env:// init reads."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+class Worker:
+    """Base class of every role that runs in a `Cluster`.
+
+    Subclasses define their own `__init__` (no need to call `super().__init__`) and decorate the
+    methods the driver calls with `@register(...)`. The cluster attaches a `WorkerContext` before
+    `__init__` runs, so `self.rank`, `self.world_size`, ... are usable inside `__init__`. On the Ray
+    backend the process environment also holds `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`
+    and `MASTER_PORT`, so `torch.distributed.init_process_group()` works with no arguments. On the
+    local backend every worker shares the driver's process and the environment is left untouched.
+    """
+
+    _baton_context: WorkerContext
+    _baton_rank_info: RankInfo
+
+    def _baton_attach(self, context: WorkerContext) -> None:
+        self._baton_context = context
+        self._baton_rank_info = RankInfo(dp_rank=context.rank, dp_size=context.world_size)
+
+    @property
+    def context(self) -> WorkerContext:
+        return self._baton_context
+
+    @property
+    def rank(self) -> int:
+        return self._baton_context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._baton_context.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._baton_context.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._baton_context.local_world_size
+
+    @property
+    def master_addr(self) -> str:
+        return self._baton_context.master_addr
+
+    @property
+    def master_port(self) -> int:
+        return self._baton_context.master_port
+
+    @property
+    def rank_info(self) -> RankInfo:
+        return self._baton_rank_info
+
+    def set_rank_info(self, rank_info: RankInfo | None = None, **sizes_and_ranks: int) -> None:
+        """Declare this worker's parallel layout, e.g. `set_rank_info(dp_rank=0, dp_size=2, tp_rank=1, tp_size=2)`.
+
+        The cluster reads every worker's layout before its first data-parallel call (and again on
+        `Cluster.refresh_rank_info()`), so set it in `__init__` or in the method that builds the model.
+        """
+        if rank_info is None:
+            rank_info = RankInfo(**sizes_and_ranks)
+        elif sizes_and_ranks:
+            rank_info = dataclasses.replace(rank_info, **sizes_and_ranks)
+        self._baton_rank_info = rank_info
+
+
+def node_ip_address() -> str:
+    """This machine's address as other nodes see it (Ray's view when Ray is up)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
