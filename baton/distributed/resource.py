@@ -88,6 +88,12 @@ class ResourceManager:
         """Validate a cluster's layout, claim its devices, and say where each worker goes."""
         if num_devices_per_worker == 0:
             return self._place_cpu_only(world_size, num_cpus_per_worker)
+        if self.device_kind == "GPU" and num_devices_per_worker > 1:
+            # Ray would expose only the first bundle's GPU to the worker; say so instead of running on one.
+            raise LayoutError(
+                f"cluster {cluster_name!r}: num_devices_per_worker={num_devices_per_worker} on GPUs is not supported yet; "
+                "use one GPU per worker (one worker per tensor-parallel rank)"
+            )
         mapping = tuple(device_mapping)
         self._check_ids(mapping, f"cluster {cluster_name!r} device_mapping")
         if len(mapping) != world_size * num_devices_per_worker:

@@ -1,0 +1,57 @@
+"""Shared fixtures: one simulated two-node Ray cluster per test session, and resource managers on either backend."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Two simulated nodes. The head reserves 4 slots for tests' device placement and keeps 2 CPUs free
+# for CPU-only workers; the second node exists for multi-node placement tests.
+HEAD_CPUS = 6
+SECOND_NODE_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Worker classes defined in test modules are pickled by reference; let worker processes import them.
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [tests_dir, os.environ.get("PYTHONPATH")] if p)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "include_dashboard": False})
+    cluster.add_node(num_cpus=SECOND_NODE_CPUS)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request):
+    """Runs a test once in-process and once on Ray."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return request.param
+
+
+@pytest.fixture
+def make_manager(request):
+    """`make_manager(backend, num_nodes=1, num_devices_per_node=4)`; everything it reserved is freed after the test."""
+    from baton import ResourceManager
+
+    managers = []
+
+    def make(backend: str, num_nodes: int = 1, num_devices_per_node: int = 4) -> ResourceManager:
+        if backend == "ray":
+            request.getfixturevalue("ray_cluster")
+        manager = ResourceManager(num_nodes, num_devices_per_node, backend=backend)
+        managers.append(manager)
+        return manager
+
+    yield make
+    for manager in managers:
+        manager.shutdown()

@@ -1,0 +1,127 @@
+"""Failures surface as errors that name cluster, rank and method; nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from baton import Cluster, Dispatch, Worker, WorkerConfig, register
+from baton.distributed import CallTimeoutError, LayoutError, WorkerDiedError, WorkerError
+
+
+class Fragile(Worker):
+    @register()
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register()
+    def fail_on_rank_one(self) -> int:
+        if self.rank == 1:
+            raise ZeroDivisionError("rank one cannot divide")
+        return self.rank
+
+    @register(blocking=False)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def sleep_blocking(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+
+class BrokenInit(Worker):
+    def __init__(self):
+        if self.rank == 1:
+            raise RuntimeError("cannot load the model")
+
+
+def test_raising_worker_names_cluster_rank_method_and_traceback(make_manager, backend):
+    with Cluster(Fragile, WorkerConfig("fragile", world_size=2), make_manager(backend)) as cluster:
+        with pytest.raises(WorkerError) as info:
+            cluster.fail_on_rank_one()
+        error = info.value
+        assert (error.cluster, error.rank, error.method) == ("fragile", 1, "fail_on_rank_one")
+        assert "worker fragile[rank 1] raised in fail_on_rank_one()" in str(error)
+        assert "ZeroDivisionError: rank one cannot divide" in str(error)
+        assert "fail_on_rank_one" in error.remote_traceback and "raise ZeroDivisionError" in error.remote_traceback
+        assert isinstance(error.__cause__, ZeroDivisionError)
+        assert cluster.pid()  # the cluster still works after a raising call
+
+
+def test_raising_constructor_is_reported(make_manager, backend):
+    with pytest.raises(WorkerError, match=r"broken\[rank 1\] raised in __init__\(\)(.|\n)*cannot load the model"):
+        Cluster(BrokenInit, WorkerConfig("broken", world_size=2), make_manager(backend))
+
+
+@pytest.mark.ray
+def test_killed_worker_fails_a_pending_call_within_seconds(make_manager):
+    with Cluster(Fragile, WorkerConfig("victim", world_size=2), make_manager("ray")) as cluster:
+        pids = cluster.pid()
+        future = cluster.sleep(60)
+        start = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            future.get()
+        assert time.monotonic() - start < 10
+        assert (info.value.cluster, info.value.rank, info.value.method) == ("victim", 1, "sleep")
+        assert "died in sleep()" in str(info.value)
+
+
+@pytest.mark.ray
+def test_killed_worker_fails_a_blocking_call_within_seconds(make_manager):
+    with Cluster(Fragile, WorkerConfig("victim", world_size=2), make_manager("ray")) as cluster:
+        pids = cluster.pid()
+        threading.Timer(0.5, os.kill, (pids[0], signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"victim\[rank 0\] died in sleep_blocking"):
+            cluster.sleep_blocking(60)
+        assert time.monotonic() - start < 10
+
+
+@pytest.mark.ray
+def test_health_monitor_sees_an_idle_worker_die(make_manager):
+    with Cluster(Fragile, WorkerConfig("idle", world_size=2, health_check_interval_s=0.5), make_manager("ray")) as cluster:
+        pid = cluster.pid()[1]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while cluster._group.monitor.check() is None:
+            assert time.monotonic() < deadline, "health monitor did not notice the dead worker within 10 s"
+            time.sleep(0.1)
+        assert cluster._group.monitor.check()[0] == 1
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError):
+            cluster.sleep_blocking(60)
+        assert time.monotonic() - start < 10
+
+
+@pytest.mark.ray
+def test_call_timeout_names_the_pending_ranks(make_manager):
+    config = WorkerConfig("slow", world_size=2, call_timeout_s=1.0)
+    with Cluster(Fragile, config, make_manager("ray")) as cluster:
+        start = time.monotonic()
+        with pytest.raises(CallTimeoutError, match=r"slow\[rank 0\]\.sleep_blocking.*raise the cluster's call_timeout_s"):
+            cluster.sleep_blocking(30)
+        assert time.monotonic() - start < 5
+
+
+@pytest.mark.ray
+def test_unplaceable_worker_is_refused_with_advice(make_manager):
+    config = WorkerConfig("greedy", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=64)
+    with pytest.raises(LayoutError, match="'greedy': rank 0 cannot be placed(.|\n)*ask for fewer CPUs per worker"):
+        Cluster(Fragile, config, make_manager("ray"))
+
+
+@pytest.mark.ray
+def test_worker_waiting_for_busy_resources_times_out_with_advice(make_manager):
+    manager = make_manager("ray", num_nodes=1, num_devices_per_node=4)  # leaves 2 of the head's 6 CPUs free
+    first = Cluster(Fragile, WorkerConfig("first", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=2), manager)
+    config = WorkerConfig("second", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=4, start_timeout_s=2.0)
+    with pytest.raises(CallTimeoutError, match="not started after 2 s(.|\n)*ask for fewer CPUs per worker"):
+        Cluster(Fragile, config, manager)
+    first.shutdown()
