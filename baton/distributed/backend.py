@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from baton.distributed.errors import CallTimeoutError, WorkerDiedError, WorkerError
+from baton.distributed.errors import CallTimeoutError, LayoutError, WorkerDiedError, WorkerError
 from baton.distributed.host import WorkerHost
 
 
@@ -84,17 +84,12 @@ _RAY_HOST_CLASS = None
 
 
 def _ray_host_class():
-    """The Ray actor class around `WorkerHost`; `ping` runs in its own thread so a busy worker still answers."""
+    """The Ray actor class around `WorkerHost` (made on first use, so importing baton does not import Ray)."""
     global _RAY_HOST_CLASS
     if _RAY_HOST_CLASS is None:
         import ray
 
-        class RayWorkerHost(WorkerHost):
-            @ray.method(concurrency_group="health")
-            def ping(self) -> bool:
-                return True
-
-        _RAY_HOST_CLASS = ray.remote(concurrency_groups={"health": 1})(RayWorkerHost)
+        _RAY_HOST_CLASS = ray.remote(WorkerHost)
     return _RAY_HOST_CLASS
 
 
@@ -161,16 +156,25 @@ class RayBackend:
         """Wait until every actor is scheduled and its process is up; say why if one can't be placed."""
         import ray
 
+        from ray.exceptions import ActorUnschedulableError
+
         refs = [actor.ping.remote() for actor in actors]
+        advice = ("Reserve fewer device slots (ResourceManager num_devices_per_node) or ask for fewer CPUs per worker.")
         try:
             self.get(refs, sources, timeout_s)
+        except WorkerError as exc:
+            if isinstance(exc.__cause__, ActorUnschedulableError):
+                raise LayoutError(
+                    f"cluster {exc.cluster!r}: rank {exc.rank} cannot be placed on this Ray cluster: {exc.__cause__}. "
+                    f"Free resources: {ray.available_resources()}. {advice}"
+                ) from None
+            raise
         except CallTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             stuck = [str(s.rank) for r, s in zip(refs, sources) if r not in set(ready)]
             raise CallTimeoutError(
                 f"cluster {sources[0].cluster!r}: rank(s) {', '.join(stuck)} not started after {timeout_s:.0f} s. "
-                f"Ray could not place them; free resources: {ray.available_resources()}. Reserve fewer device slots "
-                "(ResourceManager num_devices_per_node) or ask for fewer CPUs per worker."
+                f"Ray could not place them; free resources: {ray.available_resources()}. {advice}"
             ) from None
 
     def kill(self, actor) -> None:
@@ -188,8 +192,9 @@ class HealthMonitor:
     """Pings a cluster's actors in a background thread and remembers the first one that died.
 
     A pending call asks `check()` between polls, so a killed worker surfaces within seconds even
-    while the driver is waiting on it. A worker that is merely busy still answers: pings run in a
-    separate concurrency group.
+    while the driver is waiting on it. Each actor has at most one ping outstanding: a busy actor's
+    ping waits its turn behind the running call (it is not taken for dead), while a dead actor's
+    ping fails as soon as Ray learns the process is gone.
     """
 
     def __init__(self, actors: Sequence, interval_s: float):
@@ -205,17 +210,22 @@ class HealthMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._interval_s + 1.0)
 
     def _run(self) -> None:
         import ray
         from ray.exceptions import RayActorError
 
-        while not self._stop.is_set() and self._dead is None:
-            refs = [actor.ping.remote() for actor in self._actors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._interval_s)
-            for rank, ref in enumerate(refs):
-                if ref not in ready:
-                    continue
+        outstanding: dict = {}  # ping ref -> rank
+        while not self._stop.is_set() and ray.is_initialized():
+            pinged = set(outstanding.values())
+            for rank, actor in enumerate(self._actors):
+                if rank not in pinged:
+                    outstanding[actor.ping.remote()] = rank
+            ready, _ = ray.wait(list(outstanding), num_returns=len(outstanding), timeout=self._interval_s)
+            for ref in ready:
+                rank = outstanding.pop(ref)
                 try:
                     ray.get(ref, timeout=0)
                 except RayActorError as exc:

@@ -10,12 +10,13 @@ each role is then reached through its own cluster view.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from baton.data import DataProto
 from baton.distributed.backend import HealthMonitor, Source, get_backend
-from baton.distributed.dispatch import Dispatch, Execute, Layout, MethodSpec, get_dispatch_mode, registered_methods
+from baton.distributed.dispatch import Execute, Layout, MethodSpec, get_dispatch_mode, registered_methods
 from baton.distributed.errors import LayoutError
 from baton.distributed.future import CallFuture, DataProtoFuture
 from baton.distributed.resource import Placement, ResourceManager, ResourcePool
@@ -33,6 +34,10 @@ class WorkerSpec:
     def __post_init__(self):
         if not (isinstance(self.cls, type) and issubclass(self.cls, Worker)):
             raise TypeError(f"{self.cls!r} is not a subclass of baton.Worker; derive your worker class from Worker")
+        # Checked here, before any device is claimed or process started, so a bad class leaves nothing behind.
+        for name in registered_methods(self.cls):
+            if hasattr(Cluster, name):
+                raise ValueError(f"{self.cls.__name__}.{name} clashes with Cluster.{name}; rename the worker method")
 
 
 @dataclass
@@ -104,6 +109,11 @@ class _Group:
         self.name = config.name
         self.backend = get_backend(self.manager.backend)
         self.world_size, mapping = config.resolve_world_size(pool)
+        if config.env_vars and self.manager.backend == "local":
+            warnings.warn(
+                f"cluster {config.name!r}: env_vars are ignored on the local backend (workers share the driver's "
+                "process); set them in the driver's environment instead", stacklevel=3,
+            )
         self.placements: list[Placement] = self.manager.place(
             config.name, self.world_size, mapping, config.num_devices_per_worker, config.num_cpus_per_worker,
             config.share_devices_with,
@@ -182,8 +192,6 @@ class Cluster:
         self._layout: Layout | None = None
         self.worker_cls = group.roles[role].cls
         for name, spec in registered_methods(self.worker_cls).items():
-            if hasattr(Cluster, name):
-                raise ValueError(f"{self.worker_cls.__name__}.{name} clashes with Cluster.{name}; rename the worker method")
             setattr(self, name, self._make_method(name, spec))
 
     def _make_method(self, name: str, spec: MethodSpec):
@@ -226,7 +234,7 @@ class Cluster:
     def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
         group = self._group
         mode = get_dispatch_mode(spec.dispatch_mode)
-        layout = self.layout
+        layout = self.layout if mode.needs_rank_info else Layout.plain(self.world_size)
         args, kwargs, num_pad_rows = _pad_for_dp(args, kwargs, layout.dp_size) if spec.auto_padding else (args, kwargs, 0)
         per_worker = mode.dispatch_fn(layout, args, kwargs)
         rank_zero_only = spec.execute_mode == Execute.RANK_ZERO
@@ -235,12 +243,12 @@ class Cluster:
         wants_lengths = mode.returns_data and not spec.blocking and not rank_zero_only
         refs, length_refs = {}, {}
         for rank in ranks:
-            call_args = (self._role, method, *per_worker[rank], spec.materialize_futures)
+            request = (self._role, method, *per_worker[rank], spec.materialize_futures)
             if wants_lengths and rank in collect:
-                length_refs[rank], refs[rank] = group.backend.submit(group.hosts[rank], "call_returning_length", *call_args, num_returns=2)
+                length_refs[rank], refs[rank] = group.backend.submit(group.hosts[rank], "call_returning_length", request, num_returns=2)
             else:
-                refs[rank] = group.backend.submit(group.hosts[rank], "call", *call_args)
-        if mode.name in (Dispatch.ONE_TO_ALL, Dispatch.ONE_TO_ALL_ONE, Dispatch.ALL_TO_ALL):
+                refs[rank] = group.backend.submit(group.hosts[rank], "call", request)
+        if not mode.needs_rank_info:
             self._layout = None  # such calls may change a worker's RankInfo (e.g. a model-building call)
         sources = [Source(self.name, rank, method) for rank in ranks]
         timeout_s, dead_check = group.config.call_timeout_s, group.dead_check()
@@ -263,6 +271,7 @@ class Cluster:
             return DataProtoFuture(
                 [refs[r] for r in collect], group.backend.name, length_refs=[length_refs[r] for r in collect],
                 num_pad_rows=num_pad_rows, sources=[Source(self.name, r, method) for r in collect],
+                expected_lengths=[_rows_in(*per_worker[r]) for r in collect] if spec.auto_padding else None,
                 _dead_check=dead_check, _timeout_s=timeout_s,
             )
         return CallFuture(list(refs.values()), sources, group.backend.name, finish, timeout_s, dead_check)
@@ -302,9 +311,14 @@ def _pad_for_dp(args: tuple, kwargs: dict, dp_size: int) -> tuple[tuple, dict, i
     return args, kwargs, pads.pop() if pads else 0
 
 
+def _rows_in(args: tuple, kwargs: dict) -> int | None:
+    """Rows of a worker's first DataProto (or future) argument; None when it has none."""
+    return next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, DataProtoFuture))), None)
+
+
 def _check_rows_kept(cluster: str, method: str, inputs: list[tuple[tuple, dict]], outputs: list) -> None:
     for (args, kwargs), output in zip(inputs, outputs):
-        rows_in = next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, DataProtoFuture))), None)
+        rows_in = _rows_in(args, kwargs)
         if rows_in is not None and isinstance(output, DataProto) and len(output) != rows_in:
             raise ValueError(
                 f"{cluster}.{method} is registered with auto_padding but returned {len(output)} rows for {rows_in} input rows; "
@@ -329,7 +343,14 @@ def create_clusters_parallel(
     requests: Sequence[tuple[type | WorkerSpec, WorkerConfig]], resources: ResourceManager | ResourcePool
 ) -> list[Cluster]:
     """Build several clusters at once: all their processes start together, then all workers construct together."""
-    clusters = [Cluster(worker, config, resources, _start=False) for worker, config in requests]
+    clusters = []
+    try:
+        for worker, config in requests:
+            clusters.append(Cluster(worker, config, resources, _start=False))
+    except BaseException:
+        for cluster in clusters:  # give back the devices the earlier requests claimed
+            cluster._group.shutdown()
+        raise
     _start_groups([c._group for c in clusters])
     return clusters
 

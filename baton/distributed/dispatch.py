@@ -36,6 +36,11 @@ class Layout:
     world_size: int
     rank_infos: tuple[RankInfo, ...]
 
+    @classmethod
+    def plain(cls, world_size: int) -> "Layout":
+        """Plain data parallel: rank i is dp rank i."""
+        return cls(world_size, tuple(RankInfo(dp_rank=r, dp_size=world_size) for r in range(world_size)))
+
     @property
     def dp_size(self) -> int:
         return self.rank_infos[0].dp_size
@@ -69,6 +74,8 @@ class DispatchMode:
     `collect_ranks_fn(layout)` says whose outputs are collected, in order (default: every rank).
     `returns_data`: outputs are DataProto shards in row order, concatenated by `collect_fn`; a
     non-blocking call then returns a `DataProtoFuture` that another cluster can consume directly.
+    `needs_rank_info`: the layout must hold the workers' real `RankInfo`s (asked of the workers,
+    then cached); modes that only need the world size skip that round trip.
     """
 
     name: str
@@ -76,6 +83,7 @@ class DispatchMode:
     collect_fn: Callable[[Layout, list], Any]
     collect_ranks_fn: Callable[[Layout], list[int]] | None = None
     returns_data: bool = False
+    needs_rank_info: bool = True
 
     def collect_ranks(self, layout: Layout) -> list[int]:
         if self.collect_ranks_fn is None:
@@ -197,7 +205,7 @@ def _is_data(value) -> bool:
 def split_dp_args(layout: Layout, args: tuple, kwargs: dict, *, first_mp_rank_only: bool) -> PerWorkerArgs:
     """Split every DataProto (or DataProtoFuture) argument into dp_size shards; other arguments are broadcast."""
     dp_size = layout.dp_size
-    lengths = {k: len(v) for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, DataProto)}
+    lengths = {k: len(v) for k, v in [*enumerate(args), *kwargs.items()] if _is_data(v)}  # a future's costs only row counts
     if len(set(lengths.values())) > 1:
         raise ValueError(f"DataProto arguments of one dp call must have the same length; got {lengths}")
     shards_of = {
@@ -231,9 +239,10 @@ def _collect_ranks(layout: Layout) -> list[int]:
 
 
 for _mode in [
-    DispatchMode(Dispatch.ONE_TO_ALL, _one_to_all, _as_list),
-    DispatchMode(Dispatch.ONE_TO_ALL_ONE, _one_to_all, lambda layout, outputs: outputs[0], lambda layout: [0]),
-    DispatchMode(Dispatch.ALL_TO_ALL, _all_to_all, _as_list),
+    DispatchMode(Dispatch.ONE_TO_ALL, _one_to_all, _as_list, needs_rank_info=False),
+    DispatchMode(Dispatch.ONE_TO_ALL_ONE, _one_to_all, lambda layout, outputs: outputs[0], lambda layout: [0],
+                 needs_rank_info=False),
+    DispatchMode(Dispatch.ALL_TO_ALL, _all_to_all, _as_list, needs_rank_info=False),
     DispatchMode(
         Dispatch.DP_COMPUTE,
         lambda layout, a, kw: split_dp_args(layout, a, kw, first_mp_rank_only=False),

@@ -26,6 +26,8 @@ class DataProtoFuture:
     length_refs: refs to each whole shard's row count (needed only to re-split; absent when
         `row_ranges` is known).
     num_pad_rows: rows at the end that are auto-padding; `get()` drops them.
+    expected_lengths: with auto padding, each shard's input row count: the method must return as
+        many rows, or the padding could not be stripped; checked once the lengths are known.
     """
 
     refs: list
@@ -34,6 +36,7 @@ class DataProtoFuture:
     length_refs: list | None = None
     num_pad_rows: int = 0
     sources: list[Source] | None = None
+    expected_lengths: list[int | None] | None = None
     # Driver-side only: the producing cluster's death check and timeout; not sent to workers.
     _dead_check: DeadCheck | None = field(default=None, repr=False, compare=False)
     _timeout_s: float = field(default=DEFAULT_TIMEOUT_S, repr=False, compare=False)
@@ -52,6 +55,7 @@ class DataProtoFuture:
         shards = backend.get(self.refs, self._sources(), timeout_s or self._timeout_s, self._dead_check)
         if self.row_ranges is not None:
             shards = [shard[start:stop] for shard, (start, stop) in zip(shards, self.row_ranges)]
+        self._check_lengths([len(shard) for shard in shards])
         data = DataProto.concat(shards)
         return data[: len(data) - self.num_pad_rows] if self.num_pad_rows else data
 
@@ -62,7 +66,19 @@ class DataProtoFuture:
         if self.length_refs is None:
             raise ValueError("this DataProtoFuture does not know its shard lengths; fetch it with get()")
         backend = get_backend(self.backend_name)
-        return backend.get(self.length_refs, self._sources(), timeout_s or self._timeout_s, self._dead_check)
+        lengths = backend.get(self.length_refs, self._sources(), timeout_s or self._timeout_s, self._dead_check)
+        self._check_lengths(lengths)
+        return lengths
+
+    def _check_lengths(self, lengths: list[int]) -> None:
+        expected = self.expected_lengths or []
+        if any(want is not None and got != want for got, want in zip(lengths, expected)):
+            source = self._sources()[0]
+            raise ValueError(
+                f"{source.cluster}.{source.method} is registered with auto_padding but returned shards of {list(lengths)} rows "
+                f"for {list(self.expected_lengths)} input rows; auto padding can only strip padding from row-preserving "
+                "methods; turn it off for this method"
+            )
 
     def __len__(self) -> int:
         return sum(self.shard_lengths()) - self.num_pad_rows

@@ -36,16 +36,19 @@ class WorkerHost:
             worker.__init__(*args, **kwargs)
             self._workers[role] = worker
 
-    def call(self, role: str, method: str, args: tuple, kwargs: dict, materialize: bool):
+    def call(self, request: tuple[str, str, tuple, dict, bool]):
+        """Run `role.method(*args, **kwargs)`; the request travels as one argument (cheaper for Ray than five)."""
+        role, method, args, kwargs, materialize = request
         if materialize:
             args = tuple(_materialize(a) for a in args)
             kwargs = {k: _materialize(v) for k, v in kwargs.items()}
         return getattr(self._workers[role], method)(*args, **kwargs)
 
-    def call_returning_length(self, role: str, method: str, args: tuple, kwargs: dict, materialize: bool):
+    def call_returning_length(self, request: tuple[str, str, tuple, dict, bool]):
         """As `call`, but also returns the output's row count, so the driver can plan a re-split without the data."""
-        output = self.call(role, method, args, kwargs, materialize)
+        output = self.call(request)
         if not isinstance(output, DataProto):
+            role, method = request[:2]
             raise TypeError(
                 f"{type(self._workers[role]).__name__}.{method} is registered with a DataProto dispatch mode "
                 f"but returned {type(output).__name__}; return a DataProto or use DP_COMPUTE_METRIC"

@@ -9,6 +9,7 @@ and inference on the same GPUs) fit side by side. Overlap is allowed only when a
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -185,7 +186,7 @@ class ResourceManager:
         bundle = {"GPU": 1, "CPU": num_cpus_per_gpu} if self.device_kind == "GPU" else {"CPU": 1}
         groups = [
             placement_group([dict(bundle)] * self.num_devices_per_node, strategy="STRICT_PACK",
-                            name=f"{self.run_name}:node{i}", _soft_target_node_id=node["NodeID"])
+                            name=f"{self.run_name}:node{i}", **_pin_to(node, self.num_devices_per_node))
             for i, node in enumerate(usable[: self.num_nodes])
         ]
         ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=ready_timeout_s)
@@ -230,10 +231,24 @@ class ResourceManager:
         """Give the reserved placement groups back to Ray."""
         if self.backend == "ray":
             import ray
+            from ray.util.placement_group import placement_group_table
 
             for group in self._placement_groups:
                 ray.util.remove_placement_group(group)
+            # Removal is asynchronous; wait (briefly) so the next reservation finds the resources free.
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and any(
+                placement_group_table(g).get("state") != "REMOVED" for g in self._placement_groups
+            ):
+                time.sleep(0.05)
         self._placement_groups = []
+
+
+def _pin_to(node: dict, num_bundles: int) -> dict:
+    """Placement-group options that put every bundle on `node` (a hard label match where Ray has node labels)."""
+    if "ray.io/node-id" in (node.get("Labels") or {}):
+        return {"bundle_label_selector": [{"ray.io/node-id": node["NodeID"]}] * num_bundles}
+    return {"_soft_target_node_id": node["NodeID"]}
 
 
 @dataclass(frozen=True)
