@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-# Two simulated nodes. The head reserves 4 slots for tests' device placement and keeps 2 CPUs free
-# for CPU-only workers; the second node exists for multi-node placement tests.
-HEAD_CPUS = 6
+# Two simulated nodes (logical CPUs; the machine has 2 real cores). The head fits a module-wide
+# 4-slot reservation beside a test's own 4 slots, with 2 CPUs left for CPU-only workers; the
+# second node exists for multi-node placement tests.
+HEAD_CPUS = 10
 SECOND_NODE_CPUS = 4
 
 

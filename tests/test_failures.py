@@ -119,9 +119,12 @@ def test_unplaceable_worker_is_refused_with_advice(make_manager):
 
 @pytest.mark.ray
 def test_worker_waiting_for_busy_resources_times_out_with_advice(make_manager):
-    manager = make_manager("ray", num_nodes=1, num_devices_per_node=4)  # leaves 2 of the head's 6 CPUs free
-    first = Cluster(Fragile, WorkerConfig("first", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=2), manager)
-    config = WorkerConfig("second", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=4, start_timeout_s=2.0)
+    import ray
+
+    manager = make_manager("ray", num_nodes=1, num_devices_per_node=4)
+    [node] = [n for n in ray.nodes() if n["NodeID"] == manager.node_id(0)]
+    # Fits the node's total CPUs, not what the 4 reserved slots leave free: waits, then times out.
+    config = WorkerConfig("waiting", world_size=1, num_devices_per_worker=0,
+                          num_cpus_per_worker=node["Resources"]["CPU"] - 1, start_timeout_s=2.0)
     with pytest.raises(CallTimeoutError, match="not started after 2 s(.|\n)*ask for fewer CPUs per worker"):
         Cluster(Fragile, config, manager)
-    first.shutdown()

@@ -181,8 +181,13 @@ class ResourceManager:
                 f"cluster has {len(usable)} such node(s) ({ {n['NodeManagerAddress']: slots[n['NodeID']] for n in nodes} }); "
                 "lower num_nodes or num_devices_per_node"
             )
+        # Nodes with enough free slots now come first (another run may hold some), then the driver's node.
         here = ray.get_runtime_context().get_node_id()
-        usable.sort(key=lambda n: (n["NodeID"] != here, n["NodeManagerAddress"], n["NodeID"]))
+        free = _free_resources_per_node()
+        usable.sort(key=lambda n: (
+            free.get(n["NodeID"], n["Resources"]).get(self.device_kind, 0) < self.num_devices_per_node,
+            n["NodeID"] != here, n["NodeManagerAddress"], n["NodeID"],
+        ))
         bundle = {"GPU": 1, "CPU": num_cpus_per_gpu} if self.device_kind == "GPU" else {"CPU": 1}
         groups = [
             placement_group([dict(bundle)] * self.num_devices_per_node, strategy="STRICT_PACK",
@@ -242,6 +247,15 @@ class ResourceManager:
             ):
                 time.sleep(0.05)
         self._placement_groups = []
+
+
+def _free_resources_per_node() -> dict[str, dict]:
+    """Ray's current free resources by node id ({} where this Ray version lacks the call: totals are used)."""
+    try:
+        from ray._private.state import available_resources_per_node
+    except ImportError:
+        return {}
+    return available_resources_per_node()
 
 
 def _pin_to(node: dict, num_bundles: int) -> dict:
