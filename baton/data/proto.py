@@ -338,33 +338,45 @@ class DataProto:
         return data
 
     def __getstate__(self) -> dict[str, Any]:
-        arrays, torch_dtypes = {}, {}
-        for key, tensor in self.batch.items():
-            tensor = tensor.detach().cpu().contiguous()
-            if tensor.dtype not in _NUMPY_COMPATIBLE_DTYPES:
-                torch_dtypes[key] = str(tensor.dtype).removeprefix("torch.")
-                tensor = tensor.view(_INT_DTYPE_BY_ITEMSIZE[tensor.element_size()])
-            arrays[key] = tensor.numpy()
+        arrays, torch_dtypes = tensors_to_numpy(self.batch)
         return {"batch": arrays, "torch_dtypes": torch_dtypes,
                 "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        batch = {}
-        with warnings.catch_warnings():
-            # Object-store buffers are read-only; the docstring tells receivers to clone first.
-            warnings.filterwarnings("ignore", message=".*non-writable.*", category=UserWarning)
-            for key, array in state["batch"].items():
-                tensor = torch.from_numpy(array)
-                if key in state["torch_dtypes"]:
-                    tensor = tensor.view(getattr(torch, state["torch_dtypes"][key]))
-                batch[key] = tensor
-        self.batch = batch
+        self.batch = tensors_from_numpy(state["batch"], state["torch_dtypes"])
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
         self.check_consistency()
 
 
 # ---- helpers --------------------------------------------------------------------------------------
+
+
+def tensors_to_numpy(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """CPU numpy views of tensors for pickling; dtypes numpy lacks (bf16, fp8) travel as same-width ints,
+    named in the second dict so `tensors_from_numpy` can view them back."""
+    arrays, torch_dtypes = {}, {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.dtype not in _NUMPY_COMPATIBLE_DTYPES:
+            torch_dtypes[key] = str(tensor.dtype).removeprefix("torch.")
+            tensor = tensor.view(_INT_DTYPE_BY_ITEMSIZE[tensor.element_size()])
+        arrays[key] = tensor.numpy()
+    return arrays, torch_dtypes
+
+
+def tensors_from_numpy(arrays: dict[str, np.ndarray], torch_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Inverse of `tensors_to_numpy`, zero-copy (tensors share the arrays' memory)."""
+    tensors = {}
+    with warnings.catch_warnings():
+        # Object-store buffers are read-only; receivers that write in place clone first.
+        warnings.filterwarnings("ignore", message=".*non-writable.*", category=UserWarning)
+        for key, array in arrays.items():
+            tensor = torch.from_numpy(array)
+            if key in torch_dtypes:
+                tensor = tensor.view(getattr(torch, torch_dtypes[key]))
+            tensors[key] = tensor
+    return tensors
 
 
 def values_equal(a: Any, b: Any) -> bool:

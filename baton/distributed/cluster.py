@@ -144,7 +144,7 @@ class _Group:
             context = WorkerContext(
                 cluster_name=self.name, rank=rank, world_size=self.world_size, local_rank=placement.local_rank,
                 local_world_size=placement.local_world_size, master_addr=addr, master_port=port,
-                device_ids=placement.device_ids, node_index=placement.node_index,
+                device_ids=placement.device_ids, node_index=placement.node_index, backend=self.backend.name,
             )
             refs.append(self.backend.submit(host, "construct", roles, context, dict(self.config.env_vars)))
         return refs

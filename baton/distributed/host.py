@@ -32,7 +32,7 @@ class WorkerHost:
             os.environ.update(env)
         for role, (cls, args, kwargs) in roles.items():
             worker = cls.__new__(cls)
-            worker._baton_attach(context)
+            worker._baton_attach(context, self._workers)
             worker.__init__(*args, **kwargs)
             self._workers[role] = worker
 

@@ -56,6 +56,7 @@ class WorkerContext:
     master_port: int
     device_ids: tuple[int, ...] = ()  # global device ids (ResourceManager numbering); () for CPU-only workers
     node_index: int = 0
+    backend: str = "local"  # "ray": this worker is a Ray actor and may put objects in the object store
 
     def env_vars(self) -> dict[str, str]:
         """The environment torch.distributed's env:// init reads."""
@@ -82,10 +83,21 @@ class Worker:
 
     _baton_context: WorkerContext
     _baton_rank_info: RankInfo
+    _baton_colocated: dict[str, "Worker"]
 
-    def _baton_attach(self, context: WorkerContext) -> None:
+    def _baton_attach(self, context: WorkerContext, colocated: dict[str, "Worker"]) -> None:
         self._baton_context = context
         self._baton_rank_info = RankInfo(dp_rank=context.rank, dp_size=context.world_size)
+        self._baton_colocated = colocated
+
+    def colocated_worker(self, role: str) -> "Worker":
+        """The worker of another role fused into this process (`create_colocated_clusters`), for zero-copy sharing."""
+        try:
+            return self._baton_colocated[role]
+        except KeyError:
+            raise ValueError(
+                f"no role {role!r} shares this process; colocated roles here: {sorted(self._baton_colocated)}"
+            ) from None
 
     @property
     def context(self) -> WorkerContext:

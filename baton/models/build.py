@@ -1,0 +1,120 @@
+"""Model construction: tiny Qwen2 configs for CPU tests and benchmarks, and HF checkpoints from local directories."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+
+from baton.models.tokenizer import CHAR_VOCAB_SIZE, SPECIAL_TOKENS
+
+# Every registry entry pairs with the shipped character tokenizer.
+_CHAR_TOKENIZER_KWARGS: dict[str, Any] = {
+    "vocab_size": CHAR_VOCAB_SIZE,
+    "pad_token_id": SPECIAL_TOKENS.index("<pad>"),
+    "eos_token_id": SPECIAL_TOKENS.index("<eos>"),
+    "bos_token_id": SPECIAL_TOKENS.index("<bos>"),
+    "tie_word_embeddings": True,
+    "dtype": "float32",
+    "attn_implementation": "sdpa",
+}
+
+# name -> Qwen2Config kwargs.
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    # ~0.8M parameters: trains on an arithmetic task on 2 CPU cores in minutes.
+    "tiny-qwen2": {
+        **_CHAR_TOKENIZER_KWARGS,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    },
+    # ~7.9M parameters: benchmarks.
+    "small-qwen2": {
+        **_CHAR_TOKENIZER_KWARGS,
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+    },
+}
+
+# Qwen2Config stores unknown kwargs as attributes without complaint, so a typo ("hiden_size")
+# would silently build the default size. Accept its own fields plus the kwargs PreTrainedConfig
+# consumes (and the legacy rope keys it converts to `rope_parameters`).
+_CONFIG_KEYS = {
+    name for name, param in inspect.signature(Qwen2Config).parameters.items() if param.kind is not param.VAR_KEYWORD
+} | {"dtype", "attn_implementation", "rope_theta", "rope_scaling"}
+
+
+def _registry_entry(name: str) -> dict[str, Any]:
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; valid names: {sorted(MODEL_CONFIGS)}")
+    return MODEL_CONFIGS[name]
+
+
+def model_config(name_or_dict: str | dict[str, Any]) -> Qwen2Config:
+    """A fresh Qwen2Config from a MODEL_CONFIGS name, or from a dict of Qwen2Config kwargs.
+
+    A dict may hold "base": a MODEL_CONFIGS name whose kwargs the dict's other keys override,
+    e.g. `{"base": "tiny-qwen2", "num_hidden_layers": 2}`. Without "base" the dict is passed to
+    Qwen2Config as is, so unset keys take Qwen2Config's (7B-sized) defaults.
+    """
+    if isinstance(name_or_dict, str):
+        kwargs = dict(_registry_entry(name_or_dict))
+    else:
+        overrides = dict(name_or_dict)
+        base = overrides.pop("base", None)
+        kwargs = {**(_registry_entry(base) if base is not None else {}), **overrides}
+    unknown = sorted(set(kwargs) - _CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown Qwen2Config keys {unknown}; valid keys: {sorted(_CONFIG_KEYS)}")
+    return Qwen2Config(**kwargs)
+
+
+def build_model(
+    model: str | dict[str, Any], *, dtype: torch.dtype = torch.float32, seed: int | None = None
+) -> PreTrainedModel:
+    """Build a causal LM on the CPU, in `dtype`.
+
+    `model` is one of:
+    - a local directory holding an HF checkpoint (config.json + safetensors): loaded with
+      `from_pretrained`, local files only; a `seed` is ignored with a warning.
+    - a MODEL_CONFIGS name or a dict accepted by `model_config`: randomly initialised. With a
+      `seed` the weights depend on the seed alone and the caller's RNG state is left untouched;
+      without one they are drawn from (and advance) the global CPU RNG.
+
+    Either way the model comes back in train mode, as `from_config` builds it (`from_pretrained`
+    alone would return eval mode); call `.eval()` for inference.
+    """
+    if isinstance(model, str) and os.path.isdir(model):
+        if seed is not None:
+            warnings.warn(f"seed={seed} is ignored: the weights of {model!r} are loaded from disk", stacklevel=2)
+        return AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=dtype).train()
+    if isinstance(model, str) and model not in MODEL_CONFIGS:
+        raise ValueError(
+            f"model {model!r} is neither a local directory nor a MODEL_CONFIGS name; pass a directory holding "
+            f"an HF checkpoint (config.json + safetensors), one of {sorted(MODEL_CONFIGS)}, or a dict of "
+            "Qwen2Config kwargs"
+        )
+    config = model_config(model)
+    if seed is None:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Weights are initialised on the CPU, so only the CPU generator is seeded and restored;
+    # torch.manual_seed would also reseed (and fork_rng would initialise) every CUDA device.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters; tied weights (embedding and LM head) count once."""
+    return sum(p.numel() for p in model.parameters())

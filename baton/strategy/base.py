@@ -1,0 +1,151 @@
+"""What a strategy is: the protocols workers program against, their configuration, and the batch layout.
+
+A worker says *what* to compute; a strategy says *how* on one backend (HF transformers, FSDP2,
+mock; vLLM and SGLang later). Every strategy reads and writes `DataProto`s with these columns:
+
+generate() input, one row per prompt:
+    input_ids        [batch, prompt_len]  int64, LEFT padded with the pad id
+    attention_mask   [batch, prompt_len]  0 on padding
+generate() output, `n` rows per prompt (a prompt's samples consecutive), plus the input's
+non-tensor columns repeated to match:
+    prompts          [rows, prompt_len]
+    responses        [rows, response_len] RIGHT padded with the pad id
+    response_mask    [rows, response_len] 1 on generated tokens (the stop token included)
+    input_ids        [rows, prompt_len + response_len]  prompts then responses
+    attention_mask   [rows, prompt_len + response_len]
+    position_ids     [rows, prompt_len + response_len]
+    rollout_log_probs [rows, response_len] float32, log p(token) at the sampling temperature, 0 where masked
+    finish_reason    (non-tensor) "stop" (a stop token was sampled) or "length" (max_new_tokens hit)
+forward() input: input_ids, attention_mask, responses (position_ids optional);
+forward() output: log_probs and entropy [rows, response_len] (causal LMs) or values (critics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
+
+import torch
+
+from baton.data import DataProto
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule: `constant`, `linear` or `cosine` decay after a linear warm-up."""
+
+    name: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None  # needed by linear and cosine
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class StrategyConfig:
+    """How one role's model is built and trained.
+
+    model: a local HF-format directory, a name from `baton.models.MODEL_CONFIGS`, or a dict of
+        Qwen2Config fields (with an optional "base" name to start from).
+    kind: "causal_lm" (log-probs, generation) or "value" (a critic: one value per token).
+    micro_batch_size_per_worker / max_tokens_per_microbatch: split each worker's batch for
+        gradient accumulation by row count, or greedily by a token budget; at most one of them.
+    logprob_chunk_size: tokens per chunk when turning hidden states into log-probs, so a full
+        vocabulary float32 log-softmax never exists for the whole batch.
+    """
+
+    name: str = "hf"
+    model: str | dict = "tiny-qwen2"
+    kind: str = "causal_lm"
+    dtype: str = "float32"
+    seed: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grad_clip: float | None = 1.0
+    micro_batch_size_per_worker: int | None = None
+    max_tokens_per_microbatch: int | None = None
+    gradient_checkpointing: bool = False
+    logprob_chunk_size: int = 1024
+    tokenizer: str | None = None  # local tokenizer directory; None: the shipped character tokenizer
+
+    def __post_init__(self):
+        if self.kind not in ("causal_lm", "value"):
+            raise ValueError(f"strategy kind {self.kind!r} is not one of 'causal_lm', 'value'")
+        if self.micro_batch_size_per_worker is not None and self.max_tokens_per_microbatch is not None:
+            raise ValueError("set micro_batch_size_per_worker or max_tokens_per_microbatch, not both")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling for `generate`. top_k=0 and top_p=1.0 switch those filters off; temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    n: int = 1
+    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"bad sampling parameters {self}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, n >= 1, max_new_tokens >= 1"
+            )
+
+
+# A loss function gets the model's outputs for one micro-batch (log_probs / entropy / values, each
+# [rows, response_len]) and that micro-batch, and returns the loss SUMMED over its units (tokens
+# or sequences) plus metrics. The strategy divides by the global unit count across micro-batches
+# and data-parallel ranks, so any split of the batch gives the same update.
+LossFn = Callable[[dict[str, torch.Tensor], DataProto], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@runtime_checkable
+class ModelStrategy(Protocol):
+    """What every strategy can do with its model."""
+
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        """log_probs and entropy (causal LMs) or values (critics) of the response tokens, no gradients."""
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Full (unsharded) parameters in HF names, in buckets of about `bucket_bytes`."""
+
+    def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Load full parameters (any subset, in HF names)."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model (HF format), optimizer, scheduler and RNG state, written atomically."""
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state off the accelerator."""
+
+    def reload(self) -> None: ...
+
+
+@runtime_checkable
+class InferenceStrategy(ModelStrategy, Protocol):
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto: ...
+
+
+@runtime_checkable
+class TrainStrategy(ModelStrategy, Protocol):
+    def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
+        """One optimizer step over the batch (micro-batched); returns loss, grad_norm, lr and the loss's metrics."""

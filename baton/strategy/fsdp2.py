@@ -1,0 +1,127 @@
+"""The FSDP2 strategy: one model sharded over the cluster's workers with torch's `fully_shard`.
+
+torch.distributed is initialised from the environment the cluster sets (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): gloo on CPU, nccl on GPU. Every worker is a data-parallel rank
+(`RankInfo` dp_rank = rank). Because FSDP averages gradients over ranks, the strategy scales
+each rank's loss by world_size / global unit count, so N workers with shards of any sizes make
+the same update as one worker on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from baton.data import DataProto
+from baton.strategy.hf import TorchStrategy, default_device
+
+
+class Fsdp2Strategy(TorchStrategy):
+    """Implements `TrainStrategy` (training and log-probs; it does not generate: pair it with an `hf` rollout)."""
+
+    def __init__(self, config, device: torch.device | None = None):
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        super().__init__(config, device or default_device())
+
+    def _wrap(self, module):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in module.model.base_model.layers:
+            fully_shard(layer)
+        fully_shard(module)
+        return module
+
+    def _all_reduce_sum(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
+        dist.all_reduce(tensor)
+        return float(tensor)
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    @property
+    def _grad_scale(self) -> float:
+        return float(self.world_size)
+
+    def _micro_batches(self, batch: DataProto) -> list[DataProto]:
+        """Every rank runs the same number of forward/backward passes (FSDP's collectives must pair up);
+        ranks with fewer micro-batches repeat a row, flagged so its loss counts zero."""
+        if len(batch) == 0:
+            raise ValueError("fsdp2 needs at least one row on every worker; give the cluster fewer workers or more rows")
+        pieces = super()._micro_batches(batch)
+        most = int(self._all_reduce_max(len(pieces)))
+        for _ in range(most - len(pieces)):
+            filler = batch[:1]
+            filler.meta_info["baton_padding"] = True
+            pieces.append(filler)
+        return pieces
+
+    def _all_reduce_max(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor)
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU."""
+        full = {}
+        for name, tensor in self.hf_model.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            if self.rank == 0:
+                full[name] = tensor.detach().cpu()
+        return full
+
+    def _load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.hf_model.state_dict()
+        unknown = set(state) - set(own)
+        if unknown:
+            raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in this model; the two sides hold different architectures")
+        with torch.no_grad():
+            for name, value in state.items():
+                target = own[name]
+                if isinstance(target, DTensor):
+                    value = DTensor.from_local(value.to(self.device), target.device_mesh, [_replicate()] * target.device_mesh.ndim)
+                    value = value.redistribute(target.device_mesh, target.placements)
+                    target.to_local().copy_(value.to_local())
+                else:
+                    target.copy_(value)
+
+    def _is_writer(self) -> bool:
+        return self.rank == 0
+
+    def _barrier(self) -> None:
+        dist.barrier()
+
+    def _rank_suffix(self) -> str:
+        return f"_rank{self.rank}"
+
+    def _optimizer_state(self) -> dict:
+        """This rank's shard of the optimizer state, as plain local tensors."""
+        state = self.optimizer.state_dict()
+        state["state"] = {
+            index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+            for index, entry in state["state"].items()
+        }
+        return state
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, entry in state["state"].items():
+            param = params[index]
+            if isinstance(param, DTensor):
+                entry.update({
+                    k: DTensor.from_local(v.to(self.device), param.device_mesh, param.placements, shape=param.shape,
+                                          stride=param.stride())
+                    for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0
+                })
+        self.optimizer.load_state_dict(state)
+
+
+def _replicate():
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()

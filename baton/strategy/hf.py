@@ -1,0 +1,357 @@
+"""The HF strategy: one full model copy per worker, plain transformers + torch. The reference implementation.
+
+Runs on CPU or one GPU. Generation is a batched sampling loop with a KV cache over left-padded
+prompts; log-probs come from hidden states a chunk of tokens at a time; training accumulates
+gradients over micro-batches and normalises the loss by the batch's global unit count.
+`Fsdp2Strategy` extends it by overriding the hooks marked "(distributed hook)".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from baton.data import DataProto
+from baton.models import build_model, load_tokenizer, model_config
+from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.logprobs import RLHead, position_ids_from_mask
+from baton.strategy.sampling import sample
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_role_model(config: StrategyConfig):
+    """The model of a role: a causal LM, or (kind "value") a one-output token classifier used as a critic."""
+    if config.kind == "causal_lm":
+        return build_model(config.model, dtype=config.torch_dtype, seed=config.seed)
+    from transformers import AutoModelForTokenClassification
+
+    if isinstance(config.model, str) and os.path.isdir(config.model):
+        return AutoModelForTokenClassification.from_pretrained(
+            config.model, num_labels=1, dtype=config.torch_dtype, local_files_only=True
+        )
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        model_cfg = model_config(config.model)
+        model_cfg.num_labels = 1
+        return AutoModelForTokenClassification.from_config(model_cfg, dtype=config.torch_dtype)
+
+
+def split_micro_batches(batch: DataProto, rows: int | None, max_tokens: int | None) -> list[DataProto]:
+    """Consecutive micro-batches of at most `rows` rows, or greedily up to `max_tokens` real tokens each."""
+    if rows is not None:
+        return batch.split(rows)
+    if max_tokens is None:
+        return [batch]
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    pieces, start, used = [], 0, 0
+    for row, length in enumerate(lengths):
+        if row > start and used + length > max_tokens:
+            pieces.append(batch[start:row])
+            start, used = row, 0
+        used += length
+    pieces.append(batch[start:])
+    return pieces
+
+
+def lr_lambda(config: StrategyConfig):
+    sched = config.scheduler
+    if sched.name not in ("constant", "linear", "cosine"):
+        raise ValueError(f"scheduler {sched.name!r} is not one of 'constant', 'linear', 'cosine'")
+    if sched.name != "constant" and not sched.total_steps:
+        raise ValueError(f"scheduler {sched.name!r} needs scheduler.total_steps")
+
+    def factor(step: int) -> float:
+        if step < sched.warmup_steps:
+            return (step + 1) / sched.warmup_steps
+        if sched.name == "constant":
+            return 1.0
+        progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
+        decay = 1.0 - progress if sched.name == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * decay
+
+    return factor
+
+
+class TorchStrategy:
+    """Everything but generation, for a torch model: forward, train_step, weights, checkpoints, offload.
+
+    `hf_model` is the transformers model; `module` wraps it (an `RLHead`) and is what runs forward
+    and backward: the FSDP2 strategy shards `module`.
+    """
+
+    def __init__(self, config: StrategyConfig, device: torch.device | None = None):
+        self.config = config
+        self.device = device or default_device()
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.hf_model = build_role_model(config).to(self.device)
+        if config.gradient_checkpointing:
+            self.hf_model.gradient_checkpointing_enable()
+        self.module = self._wrap(RLHead(self.hf_model, config.kind, config.logprob_chunk_size))
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.global_step = 0
+
+    # --- (distributed hooks) ----------------------------------------------------------------
+
+    def _wrap(self, model):
+        return model
+
+    def _all_reduce_sum(self, value: float) -> float:
+        return value
+
+    @property
+    def _grad_scale(self) -> float:
+        """Factor that undoes any averaging of gradients over data-parallel ranks."""
+        return 1.0
+
+    def _micro_batches(self, batch: DataProto) -> list[DataProto]:
+        return split_micro_batches(batch, self.config.micro_batch_size_per_worker, self.config.max_tokens_per_microbatch)
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters in HF names, on the writer rank (others: {})."""
+        return self.hf_model.state_dict()
+
+    def _load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        unknown = set(state) - set(self.hf_model.state_dict())
+        if unknown:
+            raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in this model; the two sides hold different architectures")
+        self.hf_model.load_state_dict(state, strict=False)
+
+    def _is_writer(self) -> bool:
+        return True
+
+    def _barrier(self) -> None:
+        pass
+
+    def _rank_suffix(self) -> str:
+        return ""
+
+    # --- inference ------------------------------------------------------------------------------
+
+    def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True) -> dict[str, torch.Tensor]:
+        data = batch.batch
+        attention_mask = data["attention_mask"].to(self.device)
+        position_ids = data["position_ids"].to(self.device) if "position_ids" in data else position_ids_from_mask(attention_mask)
+        return self.module(data["input_ids"].to(self.device), attention_mask, position_ids, data["responses"].to(self.device),
+                           temperature, with_entropy)
+
+    @torch.no_grad()
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        self.module.eval()
+        parts = [self._outputs(mb, temperature) for mb in self._micro_batches(batch)]
+        return DataProto.from_dict({k: torch.cat([p[k] for p in parts])[: len(batch)].cpu() for k in parts[0]})
+
+    # --- training --------------------------------------------------------------------------------
+
+    def _ensure_optimizer(self) -> None:
+        if self.optimizer is None:
+            opt = self.config.optimizer
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                               weight_decay=opt.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
+
+    def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
+        if loss_unit not in ("token", "sequence"):
+            raise ValueError(f"loss_unit {loss_unit!r} is not one of 'token', 'sequence'")
+        self._ensure_optimizer()
+        self.module.train()
+        local_units = float(batch.batch["response_mask"].sum()) if loss_unit == "token" else float(len(batch))
+        global_units = max(self._all_reduce_sum(local_units), 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, metric_sums, micro_batches = 0.0, {}, self._micro_batches(batch)
+        for micro_batch in micro_batches:
+            outputs = self._outputs(micro_batch, temperature=micro_batch.meta_info.get("temperature", 1.0))
+            micro_batch = micro_batch.to(self.device)
+            loss_sum, metrics = loss_fn(outputs, micro_batch)
+            if micro_batch.meta_info.get("baton_padding"):  # keeps collectives in step; contributes nothing
+                loss_sum = loss_sum * 0.0
+            (loss_sum * (self._grad_scale / global_units)).backward()
+            loss_total += float(loss_sum.detach()) / global_units
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + float(value) / len(micro_batches)
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        return {"loss": self._all_reduce_sum(loss_total), "grad_norm": grad_norm,
+                "lr": self.scheduler.get_last_lr()[0], **metric_sums}
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return float(norm)
+
+    # --- weights -----------------------------------------------------------------------------------
+
+    def export_weights(self, bucket_bytes: int = 256 << 20) -> Iterator[dict[str, torch.Tensor]]:
+        bucket, size = {}, 0
+        for name, tensor in self._full_state_dict().items():
+            bucket[name] = tensor
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+        if bucket:
+            yield bucket
+
+    def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        for bucket in buckets:
+            self._load_full_state_dict({k: v.to(self.device) for k, v in bucket.items()})
+
+    # --- offload -------------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to CPU memory. On a CPU device there is nothing to move: no-op."""
+        if self.device.type == "cpu":
+            return
+        self.module.to("cpu")
+        for state in (self.optimizer.state.values() if self.optimizer else []):
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    state[key] = value.to("cpu", non_blocking=True)
+        torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring everything `offload` moved back to the device. No-op on CPU."""
+        if self.device.type == "cpu":
+            return
+        self.module.to(self.device)
+        for state in (self.optimizer.state.values() if self.optimizer else []):
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    state[key] = value.to(self.device, non_blocking=True)
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
+        """Write `path` atomically: HF model files (safetensors) + optimizer, scheduler and RNG state.
+
+        Everything goes to `path + ".partial"` first and is renamed at the end, so an interrupted
+        write leaves any earlier checkpoint intact. An existing `path` is replaced only with `overwrite`.
+        """
+        path = os.path.abspath(path)
+        partial = path + ".partial"
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path")
+        if self._is_writer():
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        self._barrier()
+        state = self._full_state_dict()
+        if self._is_writer():
+            self.hf_model.save_pretrained(partial, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(partial)
+            with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+                json.dump({"global_step": self.global_step}, f)
+            if self.scheduler is not None:
+                torch.save(self.scheduler.state_dict(), os.path.join(partial, "scheduler.pt"))
+        if self.optimizer is not None:
+            torch.save(self._optimizer_state(), os.path.join(partial, f"optimizer{self._rank_suffix()}.pt"))
+        torch.save(self._rng_state(), os.path.join(partial, f"rng{self._rank_suffix()}.pt"))
+        self._barrier()
+        if self._is_writer():
+            if os.path.exists(path):
+                old = path + ".old"
+                os.replace(path, old)
+                os.replace(partial, path)
+                shutil.rmtree(old)
+            else:
+                os.replace(partial, path)
+        self._barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            raise FileNotFoundError(f"{path} is not a baton checkpoint (no trainer_state.json)")
+        state = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(path, name)))
+        self._load_full_state_dict(state)
+        if getattr(self.hf_model.config, "tie_word_embeddings", False):
+            self.hf_model.tie_weights()
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            self.global_step = json.load(f)["global_step"]
+        optimizer_file = os.path.join(path, f"optimizer{self._rank_suffix()}.pt")
+        if os.path.exists(optimizer_file):
+            self._ensure_optimizer()
+            self._load_optimizer_state(torch.load(optimizer_file, weights_only=False))
+            self.scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+        self._set_rng_state(torch.load(os.path.join(path, f"rng{self._rank_suffix()}.pt"), weights_only=False))
+
+    def _optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _rng_state(self) -> dict:
+        return {
+            "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "sampler": self.generator.get_state(),
+        }
+
+    def _set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        self.generator.set_state(state["sampler"])
+
+
+class HFStrategy(TorchStrategy):
+    """One full model copy per worker: implements `InferenceStrategy` and `TrainStrategy`."""
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        self.hf_model.eval()
+        input_ids = prompts.batch["input_ids"].to(self.device)
+        attention_mask = prompts.batch["attention_mask"].to(self.device)
+        if len(prompts) and bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError("generate needs LEFT-padded prompts (the last column must be real tokens); "
+                             "tokenize with padding_side='left'")
+        generator = self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
+        stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
+        out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator)
+        prompt_ids = input_ids.repeat_interleave(params.n, 0)
+        full_mask = torch.cat([attention_mask.repeat_interleave(params.n, 0), out["response_mask"]], dim=1)
+        result = DataProto.from_dict(
+            {
+                "prompts": prompt_ids.cpu(),
+                "responses": out["responses"].cpu(),
+                "response_mask": out["response_mask"].cpu(),
+                "input_ids": torch.cat([prompt_ids, out["responses"]], dim=1).cpu(),
+                "attention_mask": full_mask.cpu(),
+                "position_ids": position_ids_from_mask(full_mask).cpu(),
+                "rollout_log_probs": out["rollout_log_probs"].cpu(),
+            },
+            {"finish_reason": np.array(["stop" if s else "length" for s in out["stopped"].tolist()], dtype=object)},
+            meta_info=dict(prompts.meta_info),
+        )
+        if prompts.non_tensor_batch:
+            extra = DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(params.n, interleave=True)
+            result = result.union(extra)
+        return result
+
+    def share_weights_from(self, other: "TorchStrategy") -> None:
+        """Point this model's parameters at another in-process model's tensors: no copy (colocated roles)."""
+        theirs = dict(other.hf_model.named_parameters())
+        for name, param in self.hf_model.named_parameters():
+            if name not in theirs or theirs[name].shape != param.shape:
+                raise ValueError(f"cannot share weights: parameter {name!r} differs between the two models")
+            param.data = theirs[name].data

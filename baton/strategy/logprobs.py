@@ -1,0 +1,92 @@
+"""From a causal LM's hidden states to per-token log-probs and entropy, a chunk of tokens at a time.
+
+Only the response positions go through the LM head, and only `chunk_size` tokens at once, so the
+full-vocabulary float32 log-softmax is never held for the whole batch. With gradients enabled each
+chunk is recomputed in the backward pass instead of keeping its logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only (left padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor | None, response_len: int) -> torch.Tensor:
+    """Hidden states at the positions that predict each response token: [rows, response_len, hidden]."""
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    hidden = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state  # [rows, seq, hidden]
+    return hidden[:, -response_len - 1 : -1]
+
+
+def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (hidden @ weight.T).float() * inv_temperature  # [tokens, vocab]
+    log_z = torch.logsumexp(logits, dim=-1)
+    log_probs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+    if not with_entropy:
+        return log_probs, torch.zeros_like(log_probs)
+    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return log_probs, entropy
+
+
+def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
+                    chunk_size: int = 1024, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(tokens) and the entropy of each position's distribution at `temperature`.
+
+    hidden [rows, len, hidden], tokens [rows, len] → two float32 tensors [rows, len].
+    """
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("token_log_probs supports LM heads without bias (true of Qwen2, Llama and most causal LMs)")
+    rows, length = tokens.shape
+    flat_hidden = hidden.reshape(rows * length, -1)
+    flat_tokens = tokens.reshape(-1)
+    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    out_lp, out_ent = [], []
+    for start in range(0, rows * length, chunk_size):
+        args = (flat_hidden[start : start + chunk_size], lm_head.weight, flat_tokens[start : start + chunk_size],
+                inv_temperature, with_entropy)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_log_probs(*args)
+        out_lp.append(lp)
+        out_ent.append(ent)
+    if not out_lp:
+        empty = flat_hidden.new_zeros(0, dtype=torch.float32)
+        return empty.reshape(rows, length), empty.reshape(rows, length)
+    return torch.cat(out_lp).reshape(rows, length), torch.cat(out_ent).reshape(rows, length)
+
+
+class RLHead(torch.nn.Module):
+    """Wraps an HF model so that one forward call returns what RL needs for the response tokens.
+
+    Going through this module's forward (rather than reaching into the model's weights from
+    outside) is what lets FSDP gather the weights of the embedding and LM head when they are used.
+    causal LMs: {"log_probs", "entropy"}; kind "value" (token classifiers): {"values"}; each [rows, response_len].
+    """
+
+    def __init__(self, model: torch.nn.Module, kind: str, chunk_size: int):
+        super().__init__()
+        self.model = model
+        self.kind = kind
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
+                with_entropy: bool = True) -> dict[str, torch.Tensor]:
+        response_len = responses.shape[1]
+        if self.kind == "value":
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            return {"values": logits[:, -response_len - 1 : -1, 0].float()}
+        hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
+        log_probs, entropy = token_log_probs(hidden, self.model.get_output_embeddings(), responses, temperature,
+                                             self.chunk_size, with_entropy)
+        return {"log_probs": log_probs, "entropy": entropy}

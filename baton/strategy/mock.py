@@ -1,0 +1,118 @@
+"""The mock strategy: deterministic outputs and no model, for testing the plumbing of pipelines.
+
+Responses are a fixed function of the prompt and the sample index; every log-prob (and value) is
+one learnable scalar, so `train_step` runs a real loss, backward pass and AdamW step on it, and
+weight sync and checkpoints have something to carry.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import torch
+
+from baton.data import DataProto
+from baton.models import load_tokenizer
+from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.logprobs import position_ids_from_mask
+
+
+class MockStrategy:
+    def __init__(self, config: StrategyConfig, device: torch.device | None = None):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.scalar = torch.nn.Parameter(torch.tensor(-1.0))
+        self.optimizer = torch.optim.AdamW([self.scalar], lr=config.optimizer.lr)
+        self.global_step = 0
+
+    def _outputs(self, batch: DataProto) -> dict[str, torch.Tensor]:
+        shape = batch.batch["responses"].shape
+        key = "values" if self.config.kind == "value" else "log_probs"
+        out = {key: self.scalar.expand(shape)}
+        if key == "log_probs":
+            out["entropy"] = torch.ones(shape)
+        return out
+
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        with torch.no_grad():
+            return DataProto.from_dict({k: v.clone() for k, v in self._outputs(batch).items()})
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        vocab = len(self.tokenizer)
+        prompt_ids = prompts.batch["input_ids"].repeat_interleave(params.n, 0)
+        attention_mask = prompts.batch["attention_mask"].repeat_interleave(params.n, 0)
+        rows, max_new = prompt_ids.shape[0], params.max_new_tokens
+        responses = torch.full((rows, max_new), pad, dtype=torch.long)
+        response_mask = torch.zeros(rows, max_new, dtype=torch.long)
+        finish = []
+        for row in range(rows):
+            key = int(prompt_ids[row].sum()) + row % params.n + (params.seed or 0)
+            length = 1 + key % max_new
+            tokens = [(key + 7 * t) % (vocab - 4) + 4 for t in range(length)]
+            if length < max_new:
+                tokens[-1] = eos
+            responses[row, :length] = torch.tensor(tokens)
+            response_mask[row, :length] = 1
+            finish.append("stop" if length < max_new else "length")
+        full_mask = torch.cat([attention_mask, response_mask], dim=1)
+        result = DataProto.from_dict(
+            {
+                "prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
+                "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": full_mask,
+                "position_ids": position_ids_from_mask(full_mask),
+                "rollout_log_probs": self.scalar.detach().expand(rows, max_new) * response_mask,
+            },
+            {"finish_reason": np.array(finish, dtype=object)},
+            meta_info=dict(prompts.meta_info),
+        )
+        if prompts.non_tensor_batch:
+            result = result.union(DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(params.n))
+        return result
+
+    def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
+        units = float(batch.batch["response_mask"].sum()) if loss_unit == "token" else float(len(batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, metrics = loss_fn(self._outputs(batch), batch)
+        loss = loss_sum / max(units, 1.0)
+        loss.backward()
+        grad_norm = float(self.scalar.grad.abs()) if self.scalar.grad is not None else 0.0
+        self.optimizer.step()
+        self.global_step += 1
+        return {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": self.config.optimizer.lr,
+                **{k: float(v) for k, v in metrics.items()}}
+
+    def export_weights(self, bucket_bytes: int = 256 << 20):
+        yield {"scalar": self.scalar.detach().clone()}
+
+    def import_weights(self, buckets) -> None:
+        for bucket in buckets:
+            if set(bucket) != {"scalar"}:
+                raise ValueError(f"the mock strategy holds one weight, 'scalar'; got {sorted(bucket)}")
+            self.scalar.data.copy_(bucket["scalar"])
+
+    def offload(self) -> None:
+        """Nothing lives on an accelerator: no-op."""
+
+    def reload(self) -> None:
+        """Nothing lives on an accelerator: no-op."""
+
+    def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
+        """One file, `mock_state.pt`, in a directory written under a temporary name and renamed."""
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path")
+        partial = path + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        torch.save({"scalar": self.scalar.detach(), "optimizer": self.optimizer.state_dict(), "global_step": self.global_step},
+                   os.path.join(partial, "mock_state.pt"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(partial, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "mock_state.pt"), weights_only=False)
+        self.scalar.data.copy_(state["scalar"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = state["global_step"]

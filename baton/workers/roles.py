@@ -1,0 +1,80 @@
+"""The role workers: actor, rollout, reference, critic (model roles) and reward (plain CPU logic)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from baton.data import DataProto
+from baton.distributed import Dispatch, Worker, register
+from baton.models import load_tokenizer
+from baton.rewards import get_reward_fn
+from baton.strategy import LossFn, SamplingParams
+from baton.workers.model import ModelWorker
+
+
+class ActorWorker(ModelWorker):
+    """The policy being trained: log-probs and optimizer steps."""
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
+        return self.strategy.train_step(batch, loss_fn, loss_unit)
+
+
+class RolloutWorker(ModelWorker):
+    """Generates responses; receives the actor's weights."""
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        return self.strategy.generate(prompts, params)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def share_weights_with(self, role: str) -> None:
+        """Use the weights of the `role` worker fused into this process, without copying them."""
+        self.strategy.share_weights_from(self.colocated_worker(role).strategy)
+
+
+class ReferenceWorker(ModelWorker):
+    """A frozen copy of the initial policy, for KL terms: `compute_log_probs` only."""
+
+
+class CriticWorker(ModelWorker):
+    """A value model (strategy kind "value")."""
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: DataProto) -> DataProto:
+        return self.strategy.forward(batch)
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
+        return self.strategy.train_step(batch, loss_fn, loss_unit)
+
+
+class RewardWorker(Worker):
+    """Scores decoded responses with a reward function (registry name or import path). Pure CPU.
+
+    Reads `responses`, `response_mask` and the non-tensor `ground_truth` column; every other
+    non-tensor column is passed to the function as a keyword argument.
+    """
+
+    def __init__(self, reward_fn: str, tokenizer: str | None = None):
+        self.reward_fn = get_reward_fn(reward_fn)
+        self.tokenizer = load_tokenizer(tokenizer)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_rewards(self, batch: DataProto) -> DataProto:
+        """`scores` [rows] and `token_level_scores` [rows, response_len] (the score on the last response token)."""
+        responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        fields = {k: v for k, v in batch.non_tensor_batch.items() if k != "ground_truth"}
+        if "ground_truth" not in batch.non_tensor_batch:
+            raise ValueError(f"compute_rewards needs a non-tensor 'ground_truth' column; got {sorted(batch.non_tensor_batch)}")
+        scores = torch.tensor([
+            float(self.reward_fn(text, truth, **{k: v[row] for k, v in fields.items()}))
+            for row, (text, truth) in enumerate(zip(texts, batch.non_tensor_batch["ground_truth"]))
+        ], dtype=torch.float32)
+        token_level = torch.zeros(mask.shape, dtype=torch.float32)
+        last = (mask.sum(-1) - 1).clamp(min=0)
+        token_level[torch.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
+        return DataProto.from_dict({"scores": scores, "token_level_scores": token_level},
+                                   {"response_text": np.array(texts, dtype=object)})
