@@ -1,40 +1,7 @@
 """Reward functions: `fn(response: str, ground_truth: str, **fields) -> float`, by name or import path."""
 
-from __future__ import annotations
+from baton.rewards.registry import REWARDS, RewardFn, get_reward_fn, register_reward
+from baton.rewards.rules import exact_match, extract_answer, format_reward, math_reward, normalize_answer
 
-import importlib
-from typing import Callable
-
-RewardFn = Callable[..., float]
-REWARDS: dict[str, RewardFn] = {}
-
-
-def register_reward(name: str):
-    """Decorator: make a reward function available by name."""
-
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_reward_fn(name: str) -> RewardFn:
-    """A registered reward, or one given by import path "package.module:function"."""
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}; valid: {sorted(REWARDS)} or an import path 'package.module:function'")
-    module, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load reward function {name!r}: {exc}") from exc
-
-
-@register_reward("exact_match")
-def exact_match(response: str, ground_truth: str, **fields) -> float:
-    """1.0 when the response, stripped of surrounding whitespace, equals the ground truth; else 0.0."""
-    return float(response.strip() == str(ground_truth).strip())
+__all__ = ["REWARDS", "RewardFn", "exact_match", "extract_answer", "format_reward", "get_reward_fn", "math_reward",
+           "normalize_answer", "register_reward"]

@@ -3,7 +3,8 @@
 Runs on CPU or one GPU. Generation is a batched sampling loop with a KV cache over left-padded
 prompts; log-probs come from hidden states a chunk of tokens at a time; training accumulates
 gradients over micro-batches and normalises the loss by the batch's global unit count.
-`Fsdp2Strategy` extends it by overriding the hooks marked "(distributed hook)".
+`TorchStrategy` holds everything but generation; `Fsdp2Strategy` shares it by overriding the
+methods under "(distributed hooks)".
 """
 
 from __future__ import annotations
