@@ -1,0 +1,81 @@
+"""KL estimators between the policy and a reference policy, per token, and the KL reward penalty.
+
+Estimators (J. Schulman, "Approximating KL divergence", 2020), with d = log_probs - ref_log_probs:
+k1 = d, abs = |d|, k2 = d²/2, k3 = exp(-d) + d - 1 (verl's "low_var_kl", clamped to [-10, 10]).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from baton.algorithms.utils import masked, masked_mean
+
+KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KL_ESTIMATORS: dict[str, KLFn] = {}
+
+
+def register_kl_estimator(name: str):
+    """Decorator: make a KL estimator `fn(log_probs, ref_log_probs) -> kl` available by name."""
+
+    def decorator(fn: KLFn) -> KLFn:
+        if name in KL_ESTIMATORS:
+            raise ValueError(f"KL estimator {name!r} is already registered")
+        KL_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_kl_estimator(name: str) -> KLFn:
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[name]
+
+
+@register_kl_estimator("k1")
+def k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return log_probs - ref_log_probs
+
+
+@register_kl_estimator("abs")
+def abs_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return (log_probs - ref_log_probs).abs()
+
+
+@register_kl_estimator("k2")
+def k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+@register_kl_estimator("k3")
+def k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    log_ratio = (ref_log_probs - log_probs).clamp(min=-20, max=20)  # keeps exp finite
+    return (log_ratio.exp() - log_ratio - 1).clamp(min=-10, max=10)
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate [batch, response_len], elementwise (mask it when aggregating).
+
+    As a loss term: `agg_loss(kl_penalty(log_probs, ref_log_probs, "k3"), response_mask, mode)`.
+    """
+    return get_kl_estimator(estimator)(log_probs, ref_log_probs)
+
+
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,  # [batch, response_len]
+    log_probs: torch.Tensor,  # [batch, response_len]
+    ref_log_probs: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    kl_coef: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """token_level_rewards = scores - kl_coef · kl, 0 off the mask; metrics
+    `actor/reward_kl_penalty` (per-sequence masked mean KL, averaged over sequences, as verl) and
+    `actor/reward_kl_penalty_coeff`."""
+    log_probs, ref_log_probs = masked(log_probs, response_mask), masked(ref_log_probs, response_mask)
+    kl = masked(kl_penalty(log_probs, ref_log_probs, estimator), response_mask)
+    rewards = masked(token_level_scores, response_mask) - kl_coef * kl
+    mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
+    return rewards, {"actor/reward_kl_penalty": float(mean_kl), "actor/reward_kl_penalty_coeff": float(kl_coef)}

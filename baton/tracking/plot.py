@@ -1,0 +1,48 @@
+"""A PNG of a run: reward, validation accuracy, KL and response length against step."""
+
+from __future__ import annotations
+
+import os
+
+from baton.tracking.tracker import read_metrics
+
+PANELS = [
+    ("reward", ["critic/score/mean", "sft/loss"]),
+    ("validation accuracy", ["val/accuracy"]),
+    ("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]),
+    ("response length", ["response_length/mean"]),
+]
+
+
+def plot_run(run_dir: str, out_path: str | None = None) -> str:
+    """Plot `metrics.jsonl` of `run_dir` (every stage subdirectory that has one, each as its own line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = {}
+    for root, _, files in sorted(os.walk(run_dir)):
+        if "metrics.jsonl" in files:
+            label = os.path.relpath(root, run_dir)
+            sources["run" if label == "." else label] = read_metrics(os.path.join(root, "metrics.jsonl"))
+    if not sources:
+        raise FileNotFoundError(f"no metrics.jsonl under {run_dir}; is it a baton run directory?")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 3.6))
+    for ax, (title, keys) in zip(axes, PANELS):
+        for label, records in sources.items():
+            for key in keys:
+                points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+                if points:
+                    steps, values = zip(*points)
+                    ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=f"{label}: {key}")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out_path = out_path or os.path.join(run_dir, "metrics.png")
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
