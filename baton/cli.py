@@ -1,43 +1,72 @@
-"""The `baton` command."""
+"""The `baton` command: `run` a pipeline from a YAML config (or the built-in demo), print a resolved
+`config`, or `plot` a run directory."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+
+DEFAULT_PIPELINE = "baton.pipelines.demo:DemoPipeline"
+
+
+def resolve(config_path: str | None, overrides: list[str]):
+    """(pipeline class, typed config) from an optional YAML file and `key.sub=value` overrides."""
+    from baton.config import import_object, load_config, load_yaml
+
+    data = load_yaml(config_path) if config_path else {}
+    pipeline_override = [o.split("=", 1)[1] for o in overrides if o.startswith("pipeline_cls=")]
+    pipeline_cls = import_object(pipeline_override[-1] if pipeline_override else data.get("pipeline_cls", DEFAULT_PIPELINE))
+    return pipeline_cls, load_config(pipeline_cls.config_cls, config_path, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description="Distributed RL post-training of language models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the example pipeline")
-    run.add_argument("--backend", choices=["ray", "local"], default="ray", help="Ray actors, or everything in this process")
-    run.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting a local one")
-    run.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray instance (default: this machine's, at least 4)")
-    run.add_argument("--num-steps", type=int, default=5)
-    run.add_argument("--num-rows-per-step", type=int, default=1000)
+    run = commands.add_parser("run", help="run a pipeline (default: the SFT → GRPO demo on the arithmetic task)")
+    show = commands.add_parser("config", help="print the resolved config without running")
+    for sub in (run, show):
+        sub.add_argument("config", nargs="?", default=None, help="a YAML config; omitted: the built-in demo")
+        sub.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.num_steps=10")
+    run.add_argument("--ray-address", default=None, help="run on an existing Ray cluster (HOST:PORT) instead of a local one")
+    plot = commands.add_parser("plot", help="write metrics.png for a run directory")
+    plot.add_argument("run_dir")
     args = parser.parse_args(argv)
 
-    from baton import ResourceManager
-    from baton.pipelines.transform import TransformConfig, run as run_transform
+    if args.command == "plot":
+        from baton.tracking import plot_run
 
-    config = TransformConfig(num_steps=args.num_steps, num_rows_per_step=args.num_rows_per_step)
-    if args.backend == "local":
-        run_transform(config, ResourceManager(backend="local"))
+        print(plot_run(args.run_dir))
+        return 0
+    # A config path that looks like an override is an override (e.g. `baton run trainer.num_steps=5`).
+    if args.config is not None and "=" in args.config and not os.path.isfile(args.config):
+        args.overrides.insert(0, args.config)
+        args.config = None
+    pipeline_cls, config = resolve(args.config, args.overrides)
+    if args.command == "config":
+        from baton.config import dump_yaml
+
+        print(dump_yaml(config), end="")
         return 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
     if args.ray_address:
+        import ray
+
         ray.init(address=args.ray_address, logging_level="ERROR")
-    else:
-        ray.init(address="local", num_cpus=args.num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR")
-    manager = ResourceManager(num_nodes=1, num_devices_per_node=1)
     try:
-        run_transform(config, manager)
+        pipeline = pipeline_cls(config)
+        try:
+            summary = pipeline.run()
+        finally:
+            if hasattr(pipeline, "shutdown"):
+                pipeline.shutdown()
     finally:
-        manager.shutdown()
-        ray.shutdown()
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Prompt data: file datasets, the arithmetic task, resumable sampling, collation."""
 
 from baton.datasets.arithmetic import arithmetic_splits
-from baton.datasets.prompts import PromptDataset, PromptSampler, collate_prompts
+from baton.datasets.prompts import PromptDataset, PromptSampler, collate_prompts, collate_sft
 
-__all__ = ["PromptDataset", "PromptSampler", "arithmetic_splits", "collate_prompts"]
+__all__ = ["PromptDataset", "PromptSampler", "arithmetic_splits", "collate_prompts", "collate_sft"]

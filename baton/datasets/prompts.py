@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from baton.data import DataProto
 
@@ -117,4 +118,26 @@ def collate_prompts(dataset: PromptDataset, indices: Sequence[int], tokenizer, m
     return DataProto.from_dict({"input_ids": input_ids.long(), "attention_mask": attention_mask.long()}, non_tensors)
 
 
-__all__ = ["PromptDataset", "PromptSampler", "collate_prompts"]
+def collate_sft(dataset: PromptDataset, indices: Sequence[int], tokenizer, max_prompt_len: int | None = None) -> DataProto:
+    """Supervised pairs in the generate() layout: prompts left-padded, then `responses` = answer + eos
+    right-padded, with `response_mask` on the answer and eos (what the SFT loss covers)."""
+    prompts = collate_prompts(dataset, indices, tokenizer, max_prompt_len)
+    answers = [tokenizer(str(dataset[i][dataset.answer_key]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for i in indices]
+    response_len = max(len(a) for a in answers)
+    responses = torch.full((len(answers), response_len), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(len(answers), response_len, dtype=torch.long)
+    for row, answer in enumerate(answers):
+        responses[row, : len(answer)] = torch.tensor(answer)
+        response_mask[row, : len(answer)] = 1
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    prompts.batch.update(
+        prompts=prompt_ids, responses=responses, response_mask=response_mask,
+        input_ids=torch.cat([prompt_ids, responses], dim=1), attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+    )
+    return prompts
+
+
+__all__ = ["PromptDataset", "PromptSampler", "collate_prompts", "collate_sft"]

@@ -1,0 +1,136 @@
+"""Typed configuration of the pipelines: one tree per pipeline, loaded from YAML with `key.sub=value` overrides.
+
+Batch knobs carry their unit: `num_prompts_per_step`, `num_samples_per_prompt`,
+`micro_batch_size_per_worker`, `max_tokens_per_microbatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.strategy import OptimizerConfig, StrategyConfig
+
+
+@dataclass
+class RoleConfig:
+    """One role's cluster: which devices, how many workers, which strategy."""
+
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    world_size: int | None = None
+    device_mapping: list[int] | None = None
+    num_devices_per_worker: int = 1
+    worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
+
+
+@dataclass
+class DataConfig:
+    """Prompts: the built-in arithmetic task, or jsonl/parquet files (`train_path`, `val_path`)."""
+
+    task: str = "arithmetic"  # "arithmetic" or "files"
+    train_path: str | None = None
+    val_path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_operand: int = 30
+    ops: str = "+"
+    num_val_examples: int = 200
+    max_prompt_len: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.task not in ("arithmetic", "files"):
+            raise ValueError(f"data.task {self.task!r} is not one of 'arithmetic', 'files'")
+        if self.task == "files" and not self.train_path:
+            raise ValueError("data.task 'files' needs data.train_path (a .jsonl or .parquet file)")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    num_samples_per_prompt: int = 8
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # a name in baton.algorithms.ADV_ESTIMATORS
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_estimator: str = "k3"
+    use_kl_in_reward: bool = False
+    kl_reward_coef: float = 0.001
+    kl_reward_estimator: str = "k1"
+    cliprange_value: float = 0.5
+    num_ppo_epochs: int = 1
+    num_mini_batches_per_step: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: steps, validation, checkpoints, output; where it runs."""
+
+    num_steps: int = 100
+    num_prompts_per_step: int = 32
+    val_every_steps: int = 10
+    val_before_train: bool = True
+    save_every_steps: int = 50
+    keep_last_checkpoints: int = 2
+    sync_every_steps: int = 1
+    seed: int = 0
+    run_dir: str = "runs/rlvr"
+    resume: str | None = None  # "latest", a checkpoint directory, or None
+    tracker: list[str] = field(default_factory=lambda: ["jsonl"])
+    backend: str = "ray"  # "ray" or "local" (everything in the driver's process)
+    ray_address: str | None = None
+    num_cpus: int | None = None  # logical CPUs of a local Ray instance; default: max(4, this machine's)
+    num_devices_per_node: int | None = None
+    num_nodes: int | None = None
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        if self.backend not in ("ray", "local"):
+            raise ValueError(f"trainer.backend {self.backend!r} is not one of 'ray', 'local'")
+        for name in ("num_steps", "num_prompts_per_step", "sync_every_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1")
+
+
+@dataclass
+class RLVRConfig:
+    """GRPO (no critic) or PPO (critic, GAE) on verifiable rewards."""
+
+    pipeline_cls: str = "baton.pipelines.rlvr:RLVRPipeline"
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    rollout: RoleConfig = field(default_factory=RoleConfig)
+    reference: RoleConfig | None = None
+    critic: RoleConfig | None = None
+    colocate_actor_rollout: bool = False  # one process per device holds both; sync shares tensors
+    reward_fn: str = "exact_match"
+    num_reward_workers: int = 1
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on (prompt, answer) pairs; the loss covers the answer tokens only."""
+
+    pipeline_cls: str = "baton.pipelines.sft:SFTPipeline"
+    actor: RoleConfig = field(default_factory=lambda: RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=3e-3))))
+    data: DataConfig = field(default_factory=DataConfig)
+    val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
+    reward_fn: str = "exact_match"
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))

@@ -1,0 +1,79 @@
+"""SFT: supervised fine-tuning on (prompt, answer) pairs; the loss covers the answer tokens only."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tqdm import tqdm
+
+from baton.datasets import PromptSampler, collate_sft
+from baton.pipelines.base import Pipeline
+from baton.pipelines.config import RoleConfig, SFTConfig
+from baton.pipelines.data import load_datasets
+from baton.pipelines.losses import SFTLoss
+from baton.pipelines.policy import build_policy, validate
+from baton.workers import RewardWorker
+
+
+class SFTPipeline(Pipeline):
+    config_cls = SFTConfig
+
+    def __init__(self, config: SFTConfig):
+        super().__init__(config, config.trainer)
+        self.train_data, self.val_data, self.tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
+        self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
+        # Validation generates with an hf rollout that shares (or receives) the actor's weights.
+        rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
+                             device_mapping=(config.actor.device_mapping or [0])[:1])
+        self.actor, self.rollout, pair = build_policy(self, config.actor, rollout, config.actor.strategy.name == "hf",
+                                                      self.val_data, self.tokenizer)
+        self.reward = self.create_clusters({"reward": (RewardWorker, RoleConfig(world_size=1, num_devices_per_worker=0),
+                                                       (config.reward_fn, config.actor.strategy.tokenizer))})["reward"]
+        self.update_pairs = [pair]
+        self.checkpoint_clusters = ["actor"]
+        self.loss = SFTLoss()
+        self.maybe_resume()
+
+    def pipeline_state(self) -> dict:
+        return {**super().pipeline_state(), "sampler": self.sampler.state_dict()}
+
+    def load_pipeline_state(self, state: dict) -> None:
+        super().load_pipeline_state(state)
+        self.sampler.load_state_dict(state["sampler"])
+
+    def validate(self) -> dict[str, float]:
+        self.update_pairs[0].sync()
+        return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
+                        self.config.data.max_prompt_len)
+
+    def run(self) -> dict:
+        trainer = self.config.trainer
+        tracker = self.make_tracker()
+        start = time.perf_counter()
+        first_val = self.validate() if trainer.val_before_train and self.global_step == 0 else None
+        if first_val:
+            tracker.log(first_val, step=0)
+        metrics: dict[str, float] = {}
+        bar = tqdm(range(self.global_step + 1, trainer.num_steps + 1), desc="sft", unit="step",
+                   disable=not trainer.progress_bar, initial=self.global_step, total=trainer.num_steps)
+        for step in bar:
+            self.global_step, self.timings = step, {}
+            with self.timer("step"):
+                batch = collate_sft(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
+                                    self.config.data.max_prompt_len)
+                per_rank = self.actor.train_step(batch, self.loss, "token")
+            metrics = {"sft/loss": per_rank[0]["loss"], "actor/grad_norm": per_rank[0]["grad_norm"],
+                       "actor/lr": per_rank[0]["lr"], **self.timings}
+            if step % trainer.val_every_steps == 0 or step == trainer.num_steps:
+                metrics.update(self.validate())
+            tracker.log(metrics, step=step)
+            bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}",
+                            val_acc=f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-")
+            if step % trainer.save_every_steps == 0 or step == trainer.num_steps:
+                self.do_checkpoint(step)
+        tracker.close()
+        summary = {"wall_s": time.perf_counter() - start, "num_steps": trainer.num_steps,
+                   "start_val_accuracy": first_val["val/accuracy"] if first_val else None,
+                   "final_val_accuracy": metrics.get("val/accuracy"), "final_loss": metrics.get("sft/loss")}
+        return self.finish(summary)
