@@ -13,6 +13,17 @@ HEAD_CPUS = 10
 SECOND_NODE_CPUS = 4
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread; two threads spinning on a loaded 2-core machine ran ~100x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

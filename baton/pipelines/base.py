@@ -86,7 +86,8 @@ class Pipeline:
         # Model roles may be given the same devices: they time-share them (offloading between turns).
         world_size = role.world_size if role.world_size or role.device_mapping else 1
         return WorkerConfig(name, world_size=world_size, device_mapping=role.device_mapping,
-                            num_devices_per_worker=role.num_devices_per_worker, share_devices_with=MODEL_ROLES)
+                            num_devices_per_worker=role.num_devices_per_worker,
+                            num_cpus_per_worker=role.num_cpus_per_worker, share_devices_with=MODEL_ROLES)
 
     # --- timing and logging -------------------------------------------------------------------
 

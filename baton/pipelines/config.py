@@ -18,7 +18,8 @@ class RoleConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     world_size: int | None = None
     device_mapping: list[int] | None = None
-    num_devices_per_worker: int = 1
+    num_devices_per_worker: int = 1  # 0: a CPU-only worker, placed outside the device slots
+    num_cpus_per_worker: float = 1.0  # CPU-only workers
     worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
 
 

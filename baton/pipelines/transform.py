@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from baton import Cluster, DataProto, Dispatch, ResourceManager, Worker, WorkerConfig, register
+from baton import DataProto, Dispatch, Worker, register
+from baton.pipelines.base import Pipeline
+from baton.pipelines.config import RoleConfig, TrainerConfig
 
 VOCAB = "<pad>0123456789+=".split("<pad>")[1]  # ids 1.. for these characters; 0 is padding
 
@@ -59,11 +61,12 @@ class Evaluator(Worker):
 
 @dataclass
 class TransformConfig:
+    pipeline_cls: str = "baton.pipelines.transform:TransformPipeline"
     num_steps: int = 5
     num_rows_per_step: int = 1000
     num_encoders: int = 3
     num_evaluators: int = 2
-    seed: int = 0
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(run_dir="runs/transform"))
 
 
 def make_prompts(num_rows: int, rng: random.Random) -> DataProto:
@@ -73,31 +76,38 @@ def make_prompts(num_rows: int, rng: random.Random) -> DataProto:
     )
 
 
-def run(config: TransformConfig, manager: ResourceManager) -> dict:
-    """Build the two clusters, run the steps, print what happened; returns the summary figures."""
-    encoders = Cluster(Encoder, WorkerConfig("encoder", world_size=config.num_encoders, num_devices_per_worker=0,
-                                             num_cpus_per_worker=0.5), manager)
-    evaluators = Cluster(Evaluator, WorkerConfig("evaluator", world_size=config.num_evaluators, num_devices_per_worker=0,
-                                                 num_cpus_per_worker=0.5), manager)
-    rng = random.Random(config.seed)
-    num_correct = num_rows = 0
-    start = time.perf_counter()
-    try:
-        for _ in tqdm(range(config.num_steps), desc="transform", unit="step"):
+class TransformPipeline(Pipeline):
+    """`baton run examples/transform.yaml`: builds the two clusters, runs the steps, prints what happened."""
+
+    config_cls = TransformConfig
+
+    def __init__(self, config: TransformConfig):
+        super().__init__(config, config.trainer)
+        clusters = self.create_clusters({
+            "encoder": (Encoder, RoleConfig(world_size=config.num_encoders, num_devices_per_worker=0,
+                                            num_cpus_per_worker=0.5), ()),
+            "evaluator": (Evaluator, RoleConfig(world_size=config.num_evaluators, num_devices_per_worker=0,
+                                                num_cpus_per_worker=0.5), ()),
+        })
+        self.encoders, self.evaluators = clusters["encoder"], clusters["evaluator"]
+
+    def run(self) -> dict:
+        config = self.config
+        rng = random.Random(config.trainer.seed)
+        num_correct = num_rows = 0
+        start = time.perf_counter()
+        for _ in tqdm(range(config.num_steps), desc="transform", unit="step", disable=not config.trainer.progress_bar):
             prompts = make_prompts(config.num_rows_per_step, rng)
-            encoded = encoders.encode(prompts)  # DataProtoFuture: stays with the encoder workers
-            scored = evaluators.evaluate(encoded)  # evaluator workers fetch their rows from the encoders
+            encoded = self.encoders.encode(prompts)  # DataProtoFuture: stays with the encoder workers
+            scored = self.evaluators.evaluate(encoded)  # evaluator workers fetch their rows from the encoders
             num_correct += int(scored.batch["correct"].sum())
             num_rows += len(scored)
+        wall_s = time.perf_counter() - start
         metrics = scored.meta_info["metrics"]
-    finally:
-        encoders.shutdown()
-        evaluators.shutdown()
-    wall_s = time.perf_counter() - start
-    print(f"\n{num_rows} prompts through {config.num_encoders} encoders → {config.num_evaluators} evaluators "
-          f"in {wall_s:.2f} s ({num_rows / wall_s:,.0f} rows/s)")
-    print(f"last step: evaluator ranks {metrics['evaluate/rank']} took {metrics['evaluate/rows_per_worker']} rows; "
-          f"accuracy {num_correct / num_rows:.3f}")
-    for row in range(3):
-        print(f"  {prompts.non_tensor_batch['prompt'][row]:<10} → {int(scored.batch['predicted'][row])}")
-    return {"rows": num_rows, "accuracy": num_correct / num_rows, "wall_s": wall_s}
+        print(f"\n{num_rows} prompts through {config.num_encoders} encoders → {config.num_evaluators} evaluators "
+              f"in {wall_s:.2f} s ({num_rows / wall_s:,.0f} rows/s)")
+        print(f"last step: evaluator ranks {metrics['evaluate/rank']} took {metrics['evaluate/rows_per_worker']} rows; "
+              f"accuracy {num_correct / num_rows:.3f}")
+        for row in range(3):
+            print(f"  {prompts.non_tensor_batch['prompt'][row]:<10} → {int(scored.batch['predicted'][row])}")
+        return {"rows": num_rows, "accuracy": num_correct / num_rows, "wall_s": wall_s}

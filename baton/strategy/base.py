@@ -82,6 +82,9 @@ class StrategyConfig:
             raise ValueError(f"strategy kind {self.kind!r} is not one of 'causal_lm', 'value'")
         if self.micro_batch_size_per_worker is not None and self.max_tokens_per_microbatch is not None:
             raise ValueError("set micro_batch_size_per_worker or max_tokens_per_microbatch, not both")
+        for name in ("micro_batch_size_per_worker", "max_tokens_per_microbatch", "logprob_chunk_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
 

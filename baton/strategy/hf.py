@@ -34,16 +34,21 @@ def build_role_model(config: StrategyConfig):
     """The model of a role: a causal LM, or (kind "value") a one-output token classifier used as a critic."""
     if config.kind == "causal_lm":
         return build_model(config.model, dtype=config.torch_dtype, seed=config.seed)
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
-    if isinstance(config.model, str) and os.path.isdir(config.model):
-        return AutoModelForTokenClassification.from_pretrained(
-            config.model, num_labels=1, dtype=config.torch_dtype, local_files_only=True
-        )
-    with torch.random.fork_rng():
-        torch.manual_seed(config.seed)
-        model_cfg = model_config(config.model)
-        model_cfg.num_labels = 1
+    from_directory = isinstance(config.model, str) and os.path.isdir(config.model)
+    model_cfg = AutoConfig.from_pretrained(config.model, local_files_only=True) if from_directory else model_config(config.model)
+    model_cfg.num_labels = 1
+    # The token-classification head applies dropout 0.1 by default: values in train_step would be
+    # noisy and differ from forward()'s for the same weights.
+    model_cfg.classifier_dropout = 0.0
+    # Seeds the new value head of a loaded backbone too; CPU generator only, as in `build_model`.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(config.seed)
+        if from_directory:
+            return AutoModelForTokenClassification.from_pretrained(
+                config.model, config=model_cfg, dtype=config.torch_dtype, local_files_only=True
+            )
         return AutoModelForTokenClassification.from_config(model_cfg, dtype=config.torch_dtype)
 
 
@@ -182,11 +187,11 @@ class TorchStrategy:
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + float(value) / len(micro_batches)
         grad_norm = self._clip_gradients()
+        lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() sets the next step's
         self.optimizer.step()
         self.scheduler.step()
         self.global_step += 1
-        return {"loss": self._all_reduce_sum(loss_total), "grad_norm": grad_norm,
-                "lr": self.scheduler.get_last_lr()[0], **metric_sums}
+        return {"loss": self._all_reduce_sum(loss_total), "grad_norm": grad_norm, "lr": lr, **metric_sums}
 
     def _clip_gradients(self) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
@@ -222,6 +227,7 @@ class TorchStrategy:
             for key, value in state.items():
                 if torch.is_tensor(value):
                     state[key] = value.to("cpu", non_blocking=True)
+        torch.cuda.synchronize(self.device)  # non-blocking device-to-host copies are not readable until then
         torch.cuda.empty_cache()
 
     def reload(self) -> None:
@@ -265,6 +271,7 @@ class TorchStrategy:
         if self._is_writer():
             if os.path.exists(path):
                 old = path + ".old"
+                shutil.rmtree(old, ignore_errors=True)  # left by a save interrupted between the two renames
                 os.replace(path, old)
                 os.replace(partial, path)
                 shutil.rmtree(old)

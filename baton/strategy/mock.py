@@ -24,7 +24,9 @@ class MockStrategy:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.scalar = torch.nn.Parameter(torch.tensor(-1.0))
-        self.optimizer = torch.optim.AdamW([self.scalar], lr=config.optimizer.lr)
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW([self.scalar], lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                           weight_decay=opt.weight_decay)
         self.global_step = 0
 
     def _outputs(self, batch: DataProto) -> dict[str, torch.Tensor]:

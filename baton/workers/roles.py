@@ -9,12 +9,27 @@ from baton.data import DataProto
 from baton.distributed import Dispatch, Worker, register
 from baton.models import load_tokenizer
 from baton.rewards import get_reward_fn
-from baton.strategy import LossFn, SamplingParams
+from baton.strategy import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.hf import HFStrategy
 from baton.workers.model import ModelWorker
+
+
+def _check_trains_one_model(worker: ModelWorker) -> None:
+    """The hf strategy keeps an independent model per worker: trained on several workers, each copy would step on
+    its own shard and drift apart from the others (and a weight sync sends rank 0's only)."""
+    if worker.world_size > 1 and isinstance(worker.strategy, HFStrategy):
+        raise ValueError(
+            f"{type(worker).__name__} {worker.context.cluster_name!r}: the 'hf' strategy trains one independent model per "
+            f"worker, not one model over world_size={worker.world_size} workers; use strategy 'fsdp2' or world_size=1"
+        )
 
 
 class ActorWorker(ModelWorker):
     """The policy being trained: log-probs and optimizer steps."""
+
+    def __init__(self, config: StrategyConfig):
+        super().__init__(config)
+        _check_trains_one_model(self)
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
@@ -40,6 +55,10 @@ class ReferenceWorker(ModelWorker):
 
 class CriticWorker(ModelWorker):
     """A value model (strategy kind "value")."""
+
+    def __init__(self, config: StrategyConfig):
+        super().__init__(config)
+        _check_trains_one_model(self)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: DataProto) -> DataProto:
