@@ -489,3 +489,17 @@ def test_sampling_params_validation(kwargs):
 def test_strategy_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StrategyConfig(**kwargs)
+
+
+def test_entropy_as_a_metric_has_the_same_value_and_no_gradient():
+    from baton.strategy.logprobs import token_log_probs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11, bias=False)
+    tokens = torch.randint(0, 11, (2, 5))
+    lp_grad, ent_grad = token_log_probs(hidden, head, tokens, 0.7, chunk_size=3, entropy_grad=True)
+    lp_value, ent_value = token_log_probs(hidden, head, tokens, 0.7, chunk_size=3, entropy_grad=False)
+    torch.testing.assert_close(lp_value, lp_grad)
+    torch.testing.assert_close(ent_value, ent_grad)
+    assert ent_grad.requires_grad and not ent_value.requires_grad and lp_value.requires_grad

@@ -22,6 +22,11 @@ class PolicyLoss:
     kl_loss_coef: float = 0.0  # 0: no KL loss term
     kl_loss_estimator: str = "k3"
 
+    @property
+    def entropy_grad(self) -> bool:
+        """Entropy needs a gradient only as a bonus term; otherwise it is a metric (see `LossFn`)."""
+        return self.entropy_coeff != 0
+
     def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch.batch["response_mask"]
         loss, metrics = ppo_clip_loss(outputs["log_probs"], batch.batch["old_log_probs"], batch.batch["advantages"], mask,

@@ -115,7 +115,8 @@ class SamplingParams:
 # A loss function gets the model's outputs for one micro-batch (log_probs / entropy / values, each
 # [rows, response_len]) and that micro-batch, and returns the loss SUMMED over its units (tokens
 # or sequences) plus metrics. The strategy divides by the global unit count across micro-batches
-# and data-parallel ranks, so any split of the batch gives the same update.
+# and data-parallel ranks, so any split of the batch gives the same update. A loss whose
+# `entropy_grad` attribute is False uses the entropy only as a metric, which spares its backward pass.
 LossFn = Callable[[dict[str, torch.Tensor], DataProto], "tuple[torch.Tensor, dict[str, float]]"]
 
 

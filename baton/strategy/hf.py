@@ -145,12 +145,13 @@ class TorchStrategy:
 
     # --- inference ------------------------------------------------------------------------------
 
-    def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True) -> dict[str, torch.Tensor]:
+    def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True,
+                 entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         data = batch.batch
         attention_mask = data["attention_mask"].to(self.device)
         position_ids = data["position_ids"].to(self.device) if "position_ids" in data else position_ids_from_mask(attention_mask)
         return self.module(data["input_ids"].to(self.device), attention_mask, position_ids, data["responses"].to(self.device),
-                           temperature, with_entropy)
+                           temperature, with_entropy, entropy_grad)
 
     @torch.no_grad()
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
@@ -177,7 +178,8 @@ class TorchStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, metric_sums, micro_batches = 0.0, {}, self._micro_batches(batch)
         for micro_batch in micro_batches:
-            outputs = self._outputs(micro_batch, temperature=micro_batch.meta_info.get("temperature", 1.0))
+            outputs = self._outputs(micro_batch, temperature=micro_batch.meta_info.get("temperature", 1.0),
+                                    entropy_grad=getattr(loss_fn, "entropy_grad", True))
             micro_batch = micro_batch.to(self.device)
             loss_sum, metrics = loss_fn(outputs, micro_batch)
             if micro_batch.meta_info.get("baton_padding"):  # keeps collectives in step; contributes nothing

@@ -28,19 +28,26 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
 
 
 def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,
-                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ weight.T).float() * inv_temperature  # [tokens, vocab]
-    log_z = torch.logsumexp(logits, dim=-1)
-    log_probs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+                     with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (hidden @ weight.T).float()  # [tokens, vocab]
+    if inv_temperature != 1.0:
+        logits = logits * inv_temperature
+    all_log_probs = torch.log_softmax(logits, dim=-1)  # one fused pass; reused by the entropy
+    log_probs = all_log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
-    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
     return log_probs, entropy
 
 
 def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
-                    chunk_size: int = 1024, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int = 1024, with_entropy: bool = True, entropy_grad: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(tokens) and the entropy of each position's distribution at `temperature`.
+
+    entropy_grad=False computes the entropy as a plain value (a metric): at a large vocabulary its
+    backward pass costs about as much as the log-probs' own.
 
     hidden [rows, len, hidden], tokens [rows, len] → two float32 tensors [rows, len].
     """
@@ -53,7 +60,7 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
     out_lp, out_ent = [], []
     for start in range(0, rows * length, chunk_size):
         args = (flat_hidden[start : start + chunk_size], lm_head.weight, flat_tokens[start : start + chunk_size],
-                inv_temperature, with_entropy)
+                inv_temperature, with_entropy, entropy_grad)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
         else:
@@ -81,12 +88,12 @@ class RLHead(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
-                with_entropy: bool = True) -> dict[str, torch.Tensor]:
+                with_entropy: bool = True, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         response_len = responses.shape[1]
         if self.kind == "value":
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
             return {"values": logits[:, -response_len - 1 : -1, 0].float()}
         hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
         log_probs, entropy = token_log_probs(hidden, self.model.get_output_embeddings(), responses, temperature,
-                                             self.chunk_size, with_entropy)
+                                             self.chunk_size, with_entropy, entropy_grad)
         return {"log_probs": log_probs, "entropy": entropy}
