@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import pickle
 import statistics
@@ -31,6 +30,8 @@ import numpy as np
 import psutil
 import ray
 import torch
+
+from common import finish
 
 from baton import DataProto, Dispatch, ResourceManager, Worker, WorkerConfig, create_clusters_parallel, register
 
@@ -367,14 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     print_report(figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
-        print(f"figures written to {args.json}")
-    missed = [key for key, ok in figures["passed"].items() if not ok]
-    if missed:
-        print(f"targets missed: {', '.join(missed)}")
-    return 1 if args.check and missed else 0
+    return finish(figures, args.json, args.check)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import cProfile
 import dataclasses
 import io
-import json
 import os
 import pstats
 import statistics
@@ -36,6 +35,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 
 import ray
 import torch
+
+from common import finish
 
 from baton import DataProto, Dispatch, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel, register
 from baton.models import build_model
@@ -391,14 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     print_report(figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
-        print(f"figures written to {args.json}")
-    missed = [key for key, ok in figures["passed"].items() if not ok]
-    if missed:
-        print(f"targets missed: {', '.join(missed)}")
-    return 1 if args.check and missed else 0
+    return finish(figures, args.json, args.check)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,28 @@ class Pipeline:
         for pair in self.update_pairs:
             pair.sync()
 
+    # --- the end of every step ---------------------------------------------------------------
+
+    def end_step(self, step: int, metrics: dict[str, float], tracker: Tracker, bar, label: str, key: str) -> None:
+        """Validate when due, log, show `label`=metrics[key] and val accuracy on the progress bar, checkpoint when due."""
+        trainer = self.trainer
+        last = step == trainer.num_steps
+        if step % trainer.val_every_steps == 0 or last:
+            metrics.update(self.validate())
+        tracker.log(metrics, step=step)
+        bar.set_postfix({label: f"{metrics[key]:.3f}",
+                         "val_acc": f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-"})
+        if step % trainer.save_every_steps == 0 or last:
+            self.do_checkpoint(step)
+
+    def summary(self, start: float, first_val: dict | None, metrics: dict[str, float], **extra) -> dict:
+        return {"wall_s": time.perf_counter() - start, "num_steps": self.trainer.num_steps,
+                "start_val_accuracy": first_val["val/accuracy"] if first_val else None,
+                "final_val_accuracy": metrics.get("val/accuracy"), **extra}
+
+    def validate(self) -> dict[str, float]:
+        return {}
+
     # --- output -------------------------------------------------------------------------------
 
     def make_tracker(self) -> Tracker:

@@ -132,18 +132,9 @@ class RLVRPipeline(Pipeline):
                         self.update_pairs[0].sync()
             metrics = {**self.rollout_metrics(batch), **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
-            if step % trainer.val_every_steps == 0 or step == trainer.num_steps:
-                metrics.update(self.validate())
-            tracker.log(metrics, step=step)
-            bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
-                            val_acc=f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-")
-            if step % trainer.save_every_steps == 0 or step == trainer.num_steps:
-                self.do_checkpoint(step)
+            self.end_step(step, metrics, tracker, bar, "reward", "critic/score/mean")
         tracker.close()
-        summary = {"wall_s": time.perf_counter() - start, "num_steps": trainer.num_steps,
-                   "start_val_accuracy": first_val["val/accuracy"] if first_val else None,
-                   "final_val_accuracy": metrics.get("val/accuracy"), "final_reward": metrics.get("critic/score/mean")}
-        return self.finish(summary)
+        return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 
     def rollout_metrics(self, batch: DataProto) -> dict[str, float]:
         data = batch.batch

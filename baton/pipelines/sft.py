@@ -65,15 +65,6 @@ class SFTPipeline(Pipeline):
                 per_rank = self.actor.train_step(batch, self.loss, "token")
             metrics = {"sft/loss": per_rank[0]["loss"], "actor/grad_norm": per_rank[0]["grad_norm"],
                        "actor/lr": per_rank[0]["lr"], **self.timings}
-            if step % trainer.val_every_steps == 0 or step == trainer.num_steps:
-                metrics.update(self.validate())
-            tracker.log(metrics, step=step)
-            bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}",
-                            val_acc=f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-")
-            if step % trainer.save_every_steps == 0 or step == trainer.num_steps:
-                self.do_checkpoint(step)
+            self.end_step(step, metrics, tracker, bar, "loss", "sft/loss")
         tracker.close()
-        summary = {"wall_s": time.perf_counter() - start, "num_steps": trainer.num_steps,
-                   "start_val_accuracy": first_val["val/accuracy"] if first_val else None,
-                   "final_val_accuracy": metrics.get("val/accuracy"), "final_loss": metrics.get("sft/loss")}
-        return self.finish(summary)
+        return self.finish(self.summary(start, first_val, metrics, final_loss=metrics.get("sft/loss")))
