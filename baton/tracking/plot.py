@@ -7,7 +7,7 @@ import os
 from baton.tracking.tracker import read_metrics
 
 PANELS = [
-    ("reward", ["critic/score/mean", "sft/loss"]),
+    ("reward (RL) / loss (SFT)", ["critic/score/mean", "sft/loss"]),
     ("validation accuracy", ["val/accuracy"]),
     ("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]),
     ("response length", ["response_length/mean"]),
