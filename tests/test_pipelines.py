@@ -72,3 +72,10 @@ def test_config_typos_name_the_nearest_key():
     assert config.rlvr.actor.strategy.optimizer.lr == 1e-3 and config.data.max_operand == 12
     with pytest.raises(ConfigError, match="trainer.backend"):
         resolve(None, ["sft.trainer.backend=slurm"])
+
+
+def test_a_nested_override_keeps_the_parents_defaults_for_that_section():
+    # The demo's SFT trainer defaults (64 prompts per step) differ from TrainerConfig's own (32).
+    _, config = resolve(None, ["sft.trainer.num_steps=7"])
+    assert config.sft.trainer.num_steps == 7
+    assert config.sft.trainer.num_prompts_per_step == 64

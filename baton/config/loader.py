@@ -261,7 +261,15 @@ def _cli_value(raw: str, tp: Any) -> Any:
 
 
 def load_config(cls: type, path: str | Path | None, overrides: Sequence[str] = (), defaults: Mapping | None = None) -> Any:
-    """The config `cls` from `defaults`, then the YAML file at `path`, then command-line `overrides`, each over the last."""
+    """The config `cls` from `defaults`, then the YAML file at `path`, then command-line `overrides`, each over the last.
+
+    Without `defaults`, the defaults are `cls()`'s resolved tree (when every field has a default),
+    so setting one key of a nested section keeps that section's other defaults as `cls` declares
+    them (a parent's `default_factory` may differ from the nested class's own defaults).
+    """
+    if defaults is None and all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+                                for f in dataclasses.fields(cls)):
+        defaults = to_dict(cls())
     data = deep_merge(defaults or {}, load_yaml(path) if path is not None else {})
     return from_dict(cls, apply_overrides(data, overrides, cls))
 

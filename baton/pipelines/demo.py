@@ -24,19 +24,19 @@ from baton.tracking import plot_run
 def _sft_default() -> SFTConfig:
     return SFTConfig(
         actor=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=3e-3))),
-        trainer=TrainerConfig(num_steps=150, num_prompts_per_step=64, val_every_steps=50, save_every_steps=150),
+        trainer=TrainerConfig(num_steps=300, num_prompts_per_step=64, val_every_steps=100, save_every_steps=300),
     )
 
 
 def _rlvr_default() -> RLVRConfig:
     return RLVRConfig(
-        actor=RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=2e-4))),
+        actor=RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=5e-4))),
         rollout=RoleConfig(strategy=StrategyConfig()),
         colocate_actor_rollout=True,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, num_samples_per_prompt=8),
         val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=6, num_samples_per_prompt=1),
         algorithm=AlgorithmConfig(adv_estimator="grpo"),
-        trainer=TrainerConfig(num_steps=100, num_prompts_per_step=32, val_every_steps=20, save_every_steps=50),
+        trainer=TrainerConfig(num_steps=300, num_prompts_per_step=64, val_every_steps=50, save_every_steps=100),
     )
 
 
