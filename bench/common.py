@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 import json
+import time
+from typing import Callable
+
+
+def interleaved_times_s(baton_fn: Callable[[], object], other_fn: Callable[[], object], num_calls: int,
+                        warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of each, after the same warm-up, timed call by call in alternating order.
+
+    Interleaving puts both sides under the same background load (this machine is shared).
+    """
+    for _ in range(warmup):
+        baton_fn()
+        other_fn()
+    fns, times_s = (baton_fn, other_fn), ([], [])
+    for i in range(num_calls):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            start = time.perf_counter()
+            fns[side]()
+            times_s[side].append(time.perf_counter() - start)
+    return times_s
 
 
 def finish(figures: dict, json_path: str | None, check: bool) -> int:

@@ -31,7 +31,7 @@ import psutil
 import ray
 import torch
 
-from common import finish
+from common import finish, interleaved_times_s
 
 from baton import DataProto, Dispatch, ResourceManager, Worker, WorkerConfig, create_clusters_parallel, register
 
@@ -97,20 +97,9 @@ class RawActor:
 
 
 def median_pair_ms(baton_fn: Callable[[], object], raw_fn: Callable[[], object], num_calls: int, warmup: int) -> tuple[float, float]:
-    """Median ms of each, after the same warm-up, timed call by call in alternating order.
-
-    Interleaving puts both sides under the same background load (this machine is shared).
-    """
-    for _ in range(warmup):
-        baton_fn()
-        raw_fn()
-    fns, times_ms = (baton_fn, raw_fn), ([], [])
-    for i in range(num_calls):
-        for side in (0, 1) if i % 2 == 0 else (1, 0):
-            start = time.perf_counter()
-            fns[side]()
-            times_ms[side].append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times_ms[0]), statistics.median(times_ms[1])
+    """Median ms of each side, timed interleaved (see `interleaved_times_s`)."""
+    baton_s, raw_s = interleaved_times_s(baton_fn, raw_fn, num_calls, warmup)
+    return statistics.median(baton_s) * 1e3, statistics.median(raw_s) * 1e3
 
 
 class PeakRss:

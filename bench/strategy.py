@@ -36,7 +36,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import ray
 import torch
 
-from common import finish
+from common import finish, interleaved_times_s
 
 from baton import DataProto, Dispatch, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel, register
 from baton.models import build_model
@@ -208,24 +208,6 @@ def make_train_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 # --- measurement helpers -----------------------------------------------------------------------------
-
-
-def interleaved_times_s(baton_fn: Callable[[], object], plain_fn: Callable[[], object], num_calls: int,
-                        warmup: int) -> tuple[list[float], list[float]]:
-    """Seconds per call of each, after the same warm-up, timed call by call in alternating order.
-
-    Interleaving puts both sides under the same background load (this machine is shared).
-    """
-    for _ in range(warmup):
-        baton_fn()
-        plain_fn()
-    fns, times_s = (baton_fn, plain_fn), ([], [])
-    for i in range(num_calls):
-        for side in (0, 1) if i % 2 == 0 else (1, 0):
-            start = time.perf_counter()
-            fns[side]()
-            times_s[side].append(time.perf_counter() - start)
-    return times_s
 
 
 def profile_text(profiler: cProfile.Profile, top: int = 18) -> str:

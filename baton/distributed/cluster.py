@@ -190,6 +190,7 @@ class Cluster:
         self._group = group
         self._role = role
         self._layout: Layout | None = None
+        self._plain_layout = Layout.plain(group.world_size)  # for modes that need no RankInfo; built once
         self.worker_cls = group.roles[role].cls
         for name, spec in registered_methods(self.worker_cls).items():
             setattr(self, name, self._make_method(name, spec))
@@ -234,7 +235,7 @@ class Cluster:
     def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
         group = self._group
         mode = get_dispatch_mode(spec.dispatch_mode)
-        layout = self.layout if mode.needs_rank_info else Layout.plain(self.world_size)
+        layout = self.layout if mode.needs_rank_info else self._plain_layout
         args, kwargs, num_pad_rows = _pad_for_dp(args, kwargs, layout.dp_size) if spec.auto_padding else (args, kwargs, 0)
         per_worker = mode.dispatch_fn(layout, args, kwargs)
         rank_zero_only = spec.execute_mode == Execute.RANK_ZERO

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from baton.config import dump_yaml, import_object, to_dict
+from baton.datasets import PromptSampler
 from baton.distributed import Cluster, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel
 from baton.pipelines.config import RoleConfig, TrainerConfig
 from baton.tracking import Tracker, plot_run
@@ -69,6 +70,7 @@ class Pipeline:
         self.update_pairs: list[ModelUpdatePair] = []
         self.timings: dict[str, float] = {}
         self.global_step = 0
+        self.sampler: PromptSampler | None = None  # the training data position, saved with checkpoints
 
     # --- building -----------------------------------------------------------------------------
 
@@ -104,12 +106,14 @@ class Pipeline:
         return os.path.join(self.trainer.run_dir, "checkpoints")
 
     def pipeline_state(self) -> dict:
-        """What besides the clusters a resume needs (subclasses add their data position)."""
-        return {"global_step": self.global_step, "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                                                          "torch": torch.get_rng_state()}}
+        """What besides the clusters a resume needs: step, data position, RNG states."""
+        return {"global_step": self.global_step, "sampler": self.sampler.state_dict() if self.sampler else None,
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
 
     def load_pipeline_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -57,13 +57,6 @@ class RLVRPipeline(Pipeline):
         self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode)
         self.maybe_resume()
 
-    def pipeline_state(self) -> dict:
-        return {**super().pipeline_state(), "sampler": self.sampler.state_dict()}
-
-    def load_pipeline_state(self, state: dict) -> None:
-        super().load_pipeline_state(state)
-        self.sampler.load_state_dict(state["sampler"])
-
     def next_prompts(self) -> DataProto:
         trainer = self.config.trainer
         prompts = collate_prompts(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,

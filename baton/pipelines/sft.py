@@ -35,13 +35,6 @@ class SFTPipeline(Pipeline):
         self.loss = SFTLoss()
         self.maybe_resume()
 
-    def pipeline_state(self) -> dict:
-        return {**super().pipeline_state(), "sampler": self.sampler.state_dict()}
-
-    def load_pipeline_state(self, state: dict) -> None:
-        super().load_pipeline_state(state)
-        self.sampler.load_state_dict(state["sampler"])
-
     def validate(self) -> dict[str, float]:
         self.update_pairs[0].sync()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
