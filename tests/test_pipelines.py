@@ -79,3 +79,31 @@ def test_a_nested_override_keeps_the_parents_defaults_for_that_section():
     _, config = resolve(None, ["sft.trainer.num_steps=7"])
     assert config.sft.trainer.num_steps == 7
     assert config.sft.trainer.num_prompts_per_step == 64
+
+
+def test_resume_continues_exactly(tmp_path):
+    """4 steps straight, or 2 steps then a resumed run of 2 more: same metrics and same weights."""
+    from safetensors.torch import load_file
+
+    def config(run_dir, num_steps, resume=None):
+        role = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"))
+        return RLVRConfig(actor=role, rollout=role, colocate_actor_rollout=True,
+                          data=DataConfig(max_operand=9, num_val_examples=8),
+                          sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
+                          val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
+                          trainer=small_trainer(run_dir, num_steps=num_steps, resume=resume))
+
+    run(RLVRPipeline, config(tmp_path / "straight", 4))
+    run(RLVRPipeline, config(tmp_path / "split", 2))
+    run(RLVRPipeline, config(tmp_path / "split", 4, resume="latest"))
+
+    def records(run_dir):
+        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
+
+    straight, split = records(tmp_path / "straight"), records(tmp_path / "split")
+    assert sorted(split) == [0, 1, 2, 3, 4]
+    assert split == straight
+    weights = [load_file(d / "checkpoints" / "step_4" / "actor" / "model.safetensors")
+               for d in (tmp_path / "straight", tmp_path / "split")]
+    assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])

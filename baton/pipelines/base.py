@@ -107,13 +107,17 @@ class Pipeline:
 
     def pipeline_state(self) -> dict:
         """What besides the clusters a resume needs: step, data position, RNG states."""
+        rollout = self.clusters.get("rollout")
         return {"global_step": self.global_step, "sampler": self.sampler.state_dict() if self.sampler else None,
+                "rollout_sampling": rollout.sampling_state() if rollout is not None else None,
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
 
     def load_pipeline_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
         if self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
+        if state.get("rollout_sampling") is not None:
+            self.clusters["rollout"].load_sampling_state(state["rollout_sampling"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -44,6 +44,17 @@ class RolloutWorker(ModelWorker):
         return self.strategy.generate(prompts, params)
 
     @register(Dispatch.ONE_TO_ALL)
+    def sampling_state(self):
+        """The sampling generator's state (None for strategies that sample deterministically), for exact resume."""
+        generator = getattr(self.strategy, "generator", None)
+        return generator.get_state() if generator is not None else None
+
+    @register(Dispatch.ALL_TO_ALL)
+    def load_sampling_state(self, state) -> None:
+        if state is not None:
+            self.strategy.generator.set_state(state)
+
+    @register(Dispatch.ONE_TO_ALL)
     def share_weights_with(self, role: str) -> None:
         """Use the weights of the `role` worker fused into this process, without copying them."""
         self.strategy.share_weights_from(self.colocated_worker(role).strategy)
