@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from typing import Callable
@@ -23,6 +24,15 @@ def interleaved_times_s(baton_fn: Callable[[], object], other_fn: Callable[[], o
             fns[side]()
             times_s[side].append(time.perf_counter() - start)
     return times_s
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --json PATH, --quick, --check."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    return parser
 
 
 def finish(figures: dict, json_path: str | None, check: bool) -> int:

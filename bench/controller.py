@@ -10,7 +10,6 @@ targets; `--json PATH` also writes the figures, `--check` exits 1 when a target 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import os
@@ -31,7 +30,7 @@ import psutil
 import ray
 import torch
 
-from common import finish, interleaved_times_s
+from common import finish, interleaved_times_s, parser as common_parser
 
 from baton import DataProto, Dispatch, ResourceManager, Worker, WorkerConfig, create_clusters_parallel, register
 
@@ -343,10 +342,7 @@ def run_benchmarks(reps: Reps, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    parser = common_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
 
     # address="local": start our own Ray even if another instance (e.g. a test session's) is running.

@@ -13,7 +13,6 @@ cProfile of one call of each side.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import dataclasses
 import io
@@ -36,7 +35,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import ray
 import torch
 
-from common import finish, interleaved_times_s
+from common import finish, interleaved_times_s, parser as common_parser
 
 from baton import DataProto, Dispatch, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel, register
 from baton.models import build_model
@@ -356,10 +355,7 @@ def run_benchmarks(reps: Reps, num_threads: int, quick: bool, profile: bool) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    parser = common_parser(__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of one call of each side")
     args = parser.parse_args(argv)
