@@ -35,8 +35,11 @@ class Fsdp2Strategy(TorchStrategy):
         return module
 
     def _all_reduce_sum(self, value: float) -> float:
+        return self._all_reduce(value, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, value: float, op) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op)
         return float(tensor)
 
     @property
@@ -53,17 +56,12 @@ class Fsdp2Strategy(TorchStrategy):
         if len(batch) == 0:
             raise ValueError("fsdp2 needs at least one row on every worker; give the cluster fewer workers or more rows")
         pieces = super()._micro_batches(batch)
-        most = int(self._all_reduce_max(len(pieces)))
+        most = int(self._all_reduce(len(pieces), dist.ReduceOp.MAX))
         for _ in range(most - len(pieces)):
             filler = batch[:1]
             filler.meta_info["baton_padding"] = True
             pieces.append(filler)
         return pieces
-
-    def _all_reduce_max(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return float(tensor)
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU."""

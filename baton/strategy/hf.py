@@ -23,7 +23,7 @@ from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
 from baton.strategy.logprobs import RLHead, position_ids_from_mask
-from baton.strategy.sampling import sample
+from baton.strategy.sampling import generation_output, sample
 
 
 def default_device() -> torch.device:
@@ -338,25 +338,8 @@ class HFStrategy(TorchStrategy):
         generator = self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
         out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator)
-        prompt_ids = input_ids.repeat_interleave(params.n, 0)
-        full_mask = torch.cat([attention_mask.repeat_interleave(params.n, 0), out["response_mask"]], dim=1)
-        result = DataProto.from_dict(
-            {
-                "prompts": prompt_ids.cpu(),
-                "responses": out["responses"].cpu(),
-                "response_mask": out["response_mask"].cpu(),
-                "input_ids": torch.cat([prompt_ids, out["responses"]], dim=1).cpu(),
-                "attention_mask": full_mask.cpu(),
-                "position_ids": position_ids_from_mask(full_mask).cpu(),
-                "rollout_log_probs": out["rollout_log_probs"].cpu(),
-            },
-            {"finish_reason": np.array(["stop" if s else "length" for s in out["stopped"].tolist()], dtype=object)},
-            meta_info=dict(prompts.meta_info),
-        )
-        if prompts.non_tensor_batch:
-            extra = DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(params.n, interleave=True)
-            result = result.union(extra)
-        return result
+        return generation_output(prompts, params.n, out["responses"], out["response_mask"], out["rollout_log_probs"],
+                                 out["stopped"])
 
     def share_weights_from(self, other: "TorchStrategy") -> None:
         """Point this model's parameters at another in-process model's tensors: no copy (colocated roles)."""

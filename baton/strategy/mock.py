@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 
-import numpy as np
 import torch
 
 from baton.data import DataProto
 from baton.models import load_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
-from baton.strategy.logprobs import position_ids_from_mask
+from baton.strategy.sampling import generation_output
 
 
 class MockStrategy:
@@ -45,11 +44,10 @@ class MockStrategy:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         vocab = len(self.tokenizer)
         prompt_ids = prompts.batch["input_ids"].repeat_interleave(params.n, 0)
-        attention_mask = prompts.batch["attention_mask"].repeat_interleave(params.n, 0)
         rows, max_new = prompt_ids.shape[0], params.max_new_tokens
         responses = torch.full((rows, max_new), pad, dtype=torch.long)
         response_mask = torch.zeros(rows, max_new, dtype=torch.long)
-        finish = []
+        stopped = []
         for row in range(rows):
             key = int(prompt_ids[row].sum()) + row % params.n + (params.seed or 0)
             length = 1 + key % max_new
@@ -58,21 +56,9 @@ class MockStrategy:
                 tokens[-1] = eos
             responses[row, :length] = torch.tensor(tokens)
             response_mask[row, :length] = 1
-            finish.append("stop" if length < max_new else "length")
-        full_mask = torch.cat([attention_mask, response_mask], dim=1)
-        result = DataProto.from_dict(
-            {
-                "prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
-                "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": full_mask,
-                "position_ids": position_ids_from_mask(full_mask),
-                "rollout_log_probs": self.scalar.detach().expand(rows, max_new) * response_mask,
-            },
-            {"finish_reason": np.array(finish, dtype=object)},
-            meta_info=dict(prompts.meta_info),
-        )
-        if prompts.non_tensor_batch:
-            result = result.union(DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(params.n))
-        return result
+            stopped.append(length < max_new)
+        log_probs = self.scalar.detach().expand(rows, max_new) * response_mask
+        return generation_output(prompts, params.n, responses, response_mask, log_probs, torch.tensor(stopped))
 
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
         units = float(batch.batch["response_mask"].sum()) if loss_unit == "token" else float(len(batch))

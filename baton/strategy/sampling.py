@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 from transformers import DynamicCache
+
+from baton.data import DataProto
 
 from baton.strategy.base import SamplingParams
 from baton.strategy.logprobs import position_ids_from_mask
@@ -89,3 +92,23 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
         "rollout_log_probs": log_probs[:, :length],
         "stopped": finished,
     }
+
+
+def generation_output(prompts: DataProto, n: int, responses: torch.Tensor, response_mask: torch.Tensor,
+                      rollout_log_probs: torch.Tensor, stopped: torch.Tensor) -> DataProto:
+    """The generate() output layout (see `baton.strategy.base`), on CPU: `n` rows per prompt, the
+    prompts' non-tensor columns repeated to match."""
+    prompt_ids = prompts.batch["input_ids"].cpu().repeat_interleave(n, 0)  # [rows, prompt_len]
+    attention_mask = torch.cat([prompts.batch["attention_mask"].cpu().repeat_interleave(n, 0), response_mask.cpu()], dim=1)
+    result = DataProto.from_dict(
+        {
+            "prompts": prompt_ids, "responses": responses.cpu(), "response_mask": response_mask.cpu(),
+            "input_ids": torch.cat([prompt_ids, responses.cpu()], dim=1), "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask), "rollout_log_probs": rollout_log_probs.cpu(),
+        },
+        {"finish_reason": np.array(["stop" if s else "length" for s in stopped.tolist()], dtype=object)},
+        meta_info=dict(prompts.meta_info),
+    )
+    if prompts.non_tensor_batch:
+        result = result.union(DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(n, interleave=True))
+    return result
