@@ -43,31 +43,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is not None and "=" in args.config and not os.path.isfile(args.config):
         args.overrides.insert(0, args.config)
         args.config = None
-    pipeline_cls, config = resolve(args.config, args.overrides)
-    if args.command == "config":
-        from baton.config import dump_yaml
+    from baton.config import ConfigError
+    from baton.distributed import LayoutError
+    from baton.pipelines.base import TrainingInterrupted
 
-        print(dump_yaml(config), end="")
-        return 0
+    try:
+        pipeline_cls, config = resolve(args.config, args.overrides)
+        if args.command == "config":
+            from baton.config import dump_yaml
+
+            print(dump_yaml(config), end="")
+            return 0
+        summary = run_pipeline(pipeline_cls, config, args.ray_address)
+    except (ConfigError, LayoutError) as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingInterrupted as e:
+        resume = "resume" if hasattr(config, "resume") else "trainer.resume"  # the demo resumes both of its stages
+        print(f"baton: {e}; to continue, rerun the same command with {resume}=latest", file=sys.stderr)
+        return 130
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
+    return 0
+
+
+def run_pipeline(pipeline_cls, config, ray_address: str | None) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if args.ray_address:
-        import ray
+    import ray
 
-        ray.init(address=args.ray_address, logging_level="ERROR")
+    if ray_address:
+        ray.init(address=ray_address, logging_level="ERROR")
     try:
         pipeline = pipeline_cls(config)
         try:
-            summary = pipeline.run()
+            return pipeline.run()
         finally:
             if hasattr(pipeline, "shutdown"):
                 pipeline.shutdown()
     finally:
-        import ray
-
         if ray.is_initialized():
             ray.shutdown()
-    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

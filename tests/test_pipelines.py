@@ -9,6 +9,7 @@ import pytest
 
 from baton.cli import resolve
 from baton.config import ConfigError
+from baton.distributed import LayoutError
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.sft import SFTPipeline
@@ -16,8 +17,9 @@ from baton.strategy import StrategyConfig
 
 
 def small_trainer(run_dir, **kwargs) -> TrainerConfig:
-    return TrainerConfig(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, val_every_steps=2,
-                         save_every_steps=2, progress_bar=False, **kwargs)
+    settings = dict(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, val_every_steps=2,
+                    save_every_steps=2, progress_bar=False)
+    return TrainerConfig(**{**settings, **kwargs})
 
 
 def run(pipeline_cls, config) -> dict:
@@ -58,11 +60,79 @@ def test_sft_lowers_the_loss_and_keeps_the_last_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_6"]
 
 
-def test_gae_without_a_critic_is_refused_before_training(tmp_path):
-    config = RLVRConfig(trainer=small_trainer(tmp_path, num_steps=1))
-    config.algorithm.adv_estimator = "gae"
-    with pytest.raises(ValueError, match="adv_estimator 'gae' needs a critic"):
-        run(RLVRPipeline, config)
+def tiny_grpo(run_dir, colocate=True, **trainer) -> RLVRConfig:
+    role = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"))
+    return RLVRConfig(actor=role, rollout=role, colocate_actor_rollout=colocate,
+                      data=DataConfig(max_operand=9, num_val_examples=8),
+                      sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
+                      val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
+                      trainer=small_trainer(run_dir, **trainer))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("colocate", [False, True], ids=["separate", "colocated"])
+def test_grpo_on_ray_with_actor_and_rollout_apart_or_together(tmp_path, ray_cluster, colocate):
+    import ray
+
+    config = tiny_grpo(tmp_path, colocate, num_steps=2, backend="ray", num_nodes=1)
+    pipeline = RLVRPipeline(config)
+    try:
+        # Apart: two clusters, two processes, weights copied; together: one process holds both.
+        actor_pid, rollout_pid = (ray.get(pipeline.clusters[name]._group.hosts[0].pid.remote())
+                                  for name in ("actor", "rollout"))
+        assert (actor_pid == rollout_pid) == colocate and os.getpid() not in (actor_pid, rollout_pid)
+        summary = pipeline.run()
+    finally:
+        pipeline.shutdown()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [0, 1, 2] and "timing_s/sync" in records[-1]
+    assert 0.0 <= summary["final_val_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(adv_estimator="gae"), "adv_estimator 'gae' needs a critic"),
+    (dict(num_mini_batches_per_step=3), r"num_prompts_per_step=4 does not split into .*num_mini_batches_per_step=3 .* use one of \[1, 2, 4\]"),
+    (dict(adv_estimator="grpo", num_samples=1), "num_samples_per_prompt=1; use 2 or more"),
+    (dict(actor_world_size=3), "does not split evenly over the 3 actor workers"),
+    (dict(reward_fn="exact_matsh"), "reward_fn: unknown reward 'exact_matsh'; valid: .*'exact_match'"),
+    (dict(reward_fn="no_such_module:score"), "reward_fn: cannot load reward function 'no_such_module:score'"),
+    (dict(loss_agg_mode="token_mean"), "algorithm.loss_agg_mode 'token_mean' is not one of"),
+])
+def test_impossible_configs_fail_before_anything_starts(tmp_path, monkeypatch, change, message):
+    config = tiny_grpo(tmp_path, num_steps=1)
+    config.algorithm.adv_estimator = change.get("adv_estimator", "grpo")
+    config.algorithm.num_mini_batches_per_step = change.get("num_mini_batches_per_step", 1)
+    config.algorithm.loss_agg_mode = change.get("loss_agg_mode", "token-mean")
+    config.sampling.num_samples_per_prompt = change.get("num_samples", 2)
+    config.actor = RoleConfig(strategy=config.actor.strategy, world_size=change.get("actor_world_size"))
+    config.reward_fn = change.get("reward_fn", "exact_match")
+    # Nothing may start: no Ray, no resource reservation, no worker.
+    monkeypatch.setattr("baton.pipelines.base.start_ray", lambda trainer: pytest.fail("Ray started"))
+    monkeypatch.setattr("baton.pipelines.base.ResourceManager", lambda *a, **k: pytest.fail("resources reserved"))
+    with pytest.raises(ConfigError, match=message):
+        RLVRPipeline(config)
+
+
+@pytest.mark.ray
+def test_more_devices_than_the_cluster_has_fail_before_any_worker_starts(tmp_path, ray_cluster):
+    import ray
+
+    config = tiny_grpo(tmp_path, num_steps=1, backend="ray")
+    config.actor = RoleConfig(strategy=config.actor.strategy, world_size=64)
+    config.trainer.num_prompts_per_step = 64
+    actors_before = len(ray.util.list_named_actors(all_namespaces=True))
+    with pytest.raises(LayoutError, match=r"The roles ask for 64 device slot\(s\) per node \(actor: 64 worker\(s\).*lower"):
+        RLVRPipeline(config)
+    assert len(ray.util.list_named_actors(all_namespaces=True)) == actors_before
+
+
+def test_the_demo_checks_both_stages_before_running_the_first(tmp_path):
+    from baton.pipelines.demo import DemoPipeline
+
+    _, config = resolve(None, [f"run_dir={tmp_path}", "rlvr.reward_fn=exact"])
+    with pytest.raises(ConfigError, match="unknown reward 'exact'"):
+        DemoPipeline(config)
+    assert not os.path.exists(tmp_path / "sft")
 
 
 def test_config_typos_name_the_nearest_key():
@@ -107,3 +177,40 @@ def test_resume_continues_exactly(tmp_path):
     weights = [load_file(d / "checkpoints" / "step_4" / "actor" / "model.safetensors")
                for d in (tmp_path / "straight", tmp_path / "split")]
     assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])
+
+
+def test_ctrl_c_finishes_the_step_saves_it_and_the_run_resumes_from_there(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    config = {"pipeline_cls": "baton.pipelines.rlvr:RLVRPipeline",
+              "actor": {"strategy": {"name": "mock"}}, "rollout": {"strategy": {"name": "mock"}},
+              "data": {"max_operand": 9, "num_val_examples": 4},
+              "sampling": {"max_new_tokens": 3, "num_samples_per_prompt": 2},
+              "trainer": {"backend": "local", "run_dir": str(tmp_path), "num_prompts_per_step": 4, "num_steps": 100000,
+                          "val_every_steps": 100000, "save_every_steps": 100000, "progress_bar": False}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "baton.cli", "run", str(path)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):  # validation + 3 steps
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    last_step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert f"saved in {tmp_path / 'checkpoints' / f'step_{last_step}'}" in stderr and "trainer.resume=latest" in stderr
+    assert os.listdir(tmp_path / "checkpoints") == [f"step_{last_step}"]
+
+    resumed = subprocess.run(command + [f"trainer.num_steps={last_step + 2}", "trainer.resume=latest"],
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-3:] == [last_step, last_step + 1, last_step + 2]

@@ -174,7 +174,7 @@ class ResourceManager:
         usable = [n for n in nodes if slots[n["NodeID"]] >= 1]
         self.num_devices_per_node = num_devices_per_node or min(slots[n["NodeID"]] for n in usable)
         usable = [n for n in usable if slots[n["NodeID"]] >= self.num_devices_per_node]
-        self.num_nodes = num_nodes or len(usable)
+        self.num_nodes = num_nodes or len(usable) or 1
         if self.num_nodes > len(usable):
             raise LayoutError(
                 f"asked for {self.num_nodes} node(s) with {self.num_devices_per_node} {self.device_kind} each, but the Ray "

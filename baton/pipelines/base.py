@@ -12,21 +12,56 @@ import json
 import os
 import random
 import shutil
+import signal
+import sys
+import threading
 import time
 from contextlib import contextmanager
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from baton.config import dump_yaml, import_object, to_dict
 from baton.datasets import PromptSampler
-from baton.distributed import Cluster, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel
+from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel
 from baton.pipelines.config import RoleConfig, TrainerConfig
 from baton.tracking import Tracker, plot_run
 from baton.workers.weight_sync import ModelUpdatePair
 
 CHECKPOINT_PREFIX = "step_"
 MODEL_ROLES = ("actor", "rollout", "reference", "critic", "policy")  # "policy": actor + rollout fused
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training after a step; `checkpoint` holds that step."""
+
+    def __init__(self, checkpoint: str):
+        super().__init__(f"interrupted; the last finished step is saved in {checkpoint}")
+        self.checkpoint = checkpoint
+
+
+@contextmanager
+def deferred_interrupt():
+    """Within: a first Ctrl-C only sets the yielded event, so the caller can stop at a safe point; a second
+    one raises KeyboardInterrupt at once. (Signals reach only the main thread; elsewhere this does nothing.)"""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def handler(signum, frame):
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        interrupted.set()
+        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, unsaved)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def seed_everything(seed: int) -> None:
@@ -53,6 +88,8 @@ class Pipeline:
     """Base of the pipelines. `self.metrics_timer(name)` times a stage into `timing_s/<name>`."""
 
     def __init__(self, config, trainer: TrainerConfig):
+        if hasattr(config, "check"):
+            config.check()  # impossible combinations fail here, before Ray or any worker starts
         self.config = config
         self.trainer = trainer
         seed_everything(trainer.seed)
@@ -63,13 +100,18 @@ class Pipeline:
             start_ray(trainer)
         # Reserve only the device slots the roles use (on a CPU-only machine every slot is a CPU that the
         # reward workers could otherwise use).
-        self.manager = ResourceManager(trainer.num_nodes, trainer.num_devices_per_node or devices_needed(config),
-                                       backend=trainer.backend)
+        per_node = trainer.num_devices_per_node or devices_needed(config, trainer.num_nodes or 1)
+        try:
+            self.manager = ResourceManager(trainer.num_nodes, per_node, backend=trainer.backend)
+        except LayoutError as e:
+            raise LayoutError(f"{e}. The roles ask for {per_node} device slot(s) per node ({describe_roles(config)}): lower "
+                              "their world_size / device_mapping, or run on a Ray cluster with more (--ray-address)") from e
         self.clusters: dict[str, Cluster] = {}
         self.checkpoint_clusters: list[str] = []
         self.update_pairs: list[ModelUpdatePair] = []
         self.timings: dict[str, float] = {}
         self.global_step = 0
+        self.last_saved_step: int | None = None
         self.sampler: PromptSampler | None = None  # the training data position, saved with checkpoints
 
     # --- building -----------------------------------------------------------------------------
@@ -133,6 +175,7 @@ class Pipeline:
         torch.save(self.pipeline_state(), os.path.join(partial, "pipeline_state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        self.last_saved_step = step
         for old in list_checkpoints(self.checkpoint_root)[: -self.trainer.keep_last_checkpoints or None]:
             shutil.rmtree(old)
         return final
@@ -155,17 +198,35 @@ class Pipeline:
         for pair in self.update_pairs:
             pair.sync()
 
-    # --- the end of every step ---------------------------------------------------------------
+    # --- the loop --------------------------------------------------------------------------------
 
-    def end_step(self, step: int, metrics: dict[str, float], tracker: Tracker, bar, label: str, key: str) -> None:
+    def training_steps(self, desc: str):
+        """The steps still to run (1-based), under a progress bar. A Ctrl-C lets the running step finish,
+        checkpoints it, and raises TrainingInterrupted; resume with `trainer.resume=latest`."""
+        trainer = self.trainer
+        self.bar = tqdm(range(self.global_step + 1, trainer.num_steps + 1), desc=desc, unit="step",
+                        disable=not trainer.progress_bar, initial=self.global_step, total=trainer.num_steps)
+        with deferred_interrupt() as interrupted:
+            for step in self.bar:
+                self.global_step, self.timings = step, {}
+                yield step
+                if interrupted.is_set():
+                    self.bar.close()
+                    self.tracker.close()
+                    if self.last_saved_step != step:
+                        self.do_checkpoint(step)
+                    raise TrainingInterrupted(os.path.join(self.checkpoint_root, f"{CHECKPOINT_PREFIX}{step}"))
+        self.bar.close()
+
+    def end_step(self, step: int, metrics: dict[str, float], label: str, key: str) -> None:
         """Validate when due, log, show `label`=metrics[key] and val accuracy on the progress bar, checkpoint when due."""
         trainer = self.trainer
         last = step == trainer.num_steps
         if step % trainer.val_every_steps == 0 or last:
             metrics.update(self.validate())
-        tracker.log(metrics, step=step)
-        bar.set_postfix({label: f"{metrics[key]:.3f}",
-                         "val_acc": f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-"})
+        self.tracker.log(metrics, step=step)
+        self.bar.set_postfix({label: f"{metrics[key]:.3f}",
+                              "val_acc": f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-"})
         if step % trainer.save_every_steps == 0 or last:
             self.do_checkpoint(step)
 
@@ -180,8 +241,9 @@ class Pipeline:
     # --- output -------------------------------------------------------------------------------
 
     def make_tracker(self) -> Tracker:
-        return Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
-                       resume=self.global_step > 0)
+        self.tracker = Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
+                               resume=self.global_step > 0)
+        return self.tracker
 
     def finish(self, summary: dict) -> dict:
         """Write summary.json and the plot; returns the summary."""
@@ -196,14 +258,24 @@ class Pipeline:
         self.manager.shutdown()
 
 
-def devices_needed(config) -> int:
-    """Device slots per node that the config's roles ask for (highest device id + 1; at least 1)."""
-    needed = 1
-    for value in vars(config).values():
-        if isinstance(value, RoleConfig) and value.num_devices_per_worker > 0:
-            count = (value.world_size or 1) * value.num_devices_per_worker
-            needed = max(needed, max(value.device_mapping) + 1 if value.device_mapping else count)
-    return needed
+def device_roles(config) -> dict[str, RoleConfig]:
+    return {name: value for name, value in vars(config).items()
+            if isinstance(value, RoleConfig) and value.num_devices_per_worker > 0}
+
+
+def devices_needed(config, num_nodes: int = 1) -> int:
+    """Device slots per node that the config's roles ask for: (highest device id + 1) over the nodes; at least 1."""
+    total = 1
+    for role in device_roles(config).values():
+        count = role.num_workers * role.num_devices_per_worker
+        total = max(total, max(role.device_mapping) + 1 if role.device_mapping else count)
+    return -(-total // num_nodes)
+
+
+def describe_roles(config) -> str:
+    return ", ".join(f"{name}: {role.num_workers} worker(s) × {role.num_devices_per_worker} device(s)"
+                     + (f" on devices {role.device_mapping}" if role.device_mapping else "")
+                     for name, role in device_roles(config).items())
 
 
 def list_checkpoints(root: str) -> list[str]:

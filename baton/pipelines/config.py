@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from baton.config import ConfigError
 from baton.strategy import OptimizerConfig, StrategyConfig
+
+# Estimators whose baseline is the prompt's other samples: a group of one sample learns nothing.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 @dataclass
@@ -21,6 +25,15 @@ class RoleConfig:
     num_devices_per_worker: int = 1  # 0: a CPU-only worker, placed outside the device slots
     num_cpus_per_worker: float = 1.0  # CPU-only workers
     worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
+
+    @property
+    def num_workers(self) -> int:
+        """world_size, else one worker per `num_devices_per_worker` devices of device_mapping, else 1."""
+        if self.world_size:
+            return self.world_size
+        if self.device_mapping:
+            return max(1, len(self.device_mapping) // max(1, self.num_devices_per_worker))
+        return 1
 
 
 @dataclass
@@ -118,11 +131,50 @@ class RLVRConfig:
     colocate_actor_rollout: bool = False  # one process per device holds both; sync shares tensors
     reward_fn: str = "exact_match"
     num_reward_workers: int = 1
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def check(self) -> None:
+        """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
+        from baton.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_UNITS
+
+        algo, trainer, num_samples = self.algorithm, self.trainer, self.sampling.num_samples_per_prompt
+        _check_data(self.data)
+        _check_choice("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
+        _check_choice("algorithm.loss_agg_mode", algo.loss_agg_mode, LOSS_AGG_UNITS)
+        _check_choice("algorithm.kl_loss_estimator", algo.kl_loss_estimator, KL_ESTIMATORS)
+        _check_choice("algorithm.kl_reward_estimator", algo.kl_reward_estimator, KL_ESTIMATORS)
+        if algo.adv_estimator in GROUP_ESTIMATORS and num_samples < 2:
+            raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} compares each prompt's samples with each "
+                              f"other, but sampling.num_samples_per_prompt={num_samples}; use 2 or more (e.g. 8)")
+        if algo.adv_estimator == "gae" and self.critic is None:
+            raise ConfigError("algorithm.adv_estimator 'gae' needs a critic: add a `critic:` section "
+                              "(strategy.kind: value), or use adv_estimator 'grpo'")
+        if self.critic is not None and self.critic.strategy.kind != "value":
+            raise ConfigError(f"critic.strategy.kind is {self.critic.strategy.kind!r}; a critic predicts values: "
+                              "set critic.strategy.kind: value")
+        if trainer.num_prompts_per_step % algo.num_mini_batches_per_step:
+            raise ConfigError(
+                f"trainer.num_prompts_per_step={trainer.num_prompts_per_step} does not split into "
+                f"algorithm.num_mini_batches_per_step={algo.num_mini_batches_per_step} mini-batches of whole prompts; "
+                f"use one of {_divisors(trainer.num_prompts_per_step)}")
+        rows = trainer.num_prompts_per_step * num_samples // algo.num_mini_batches_per_step
+        for name in ("actor", "critic"):
+            role = getattr(self, name)
+            if role is not None and rows % role.num_workers:
+                raise ConfigError(
+                    f"a mini-batch of {rows} responses (trainer.num_prompts_per_step × sampling.num_samples_per_prompt "
+                    f"/ algorithm.num_mini_batches_per_step) does not split evenly over the {role.num_workers} {name} "
+                    f"workers; make it a multiple of {role.num_workers}")
+        rollout_layout = (self.rollout.world_size, self.rollout.device_mapping)
+        if self.colocate_actor_rollout and rollout_layout != (None, None) and rollout_layout != (
+                self.actor.world_size, self.actor.device_mapping):
+            raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, so rollout.world_size "
+                              "and rollout.device_mapping must equal the actor's (or leave them unset)")
+        _check_reward_fn("reward_fn", self.reward_fn)
 
 
 @dataclass
@@ -131,7 +183,39 @@ class SFTConfig:
 
     pipeline_cls: str = "baton.pipelines.sft:SFTPipeline"
     actor: RoleConfig = field(default_factory=lambda: RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=3e-3))))
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     reward_fn: str = "exact_match"
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))
+
+    def check(self) -> None:
+        """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
+        _check_data(self.data)
+        workers = self.actor.num_workers
+        if self.trainer.num_prompts_per_step % workers:
+            raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
+                              f"over the {workers} actor workers; make it a multiple of {workers}")
+        _check_reward_fn("reward_fn", self.reward_fn)
+
+
+def _check_data(data: DataConfig | None) -> None:
+    if data is None:
+        raise ConfigError("no data: add a `data:` section (task: arithmetic, or task: files with train_path)")
+
+
+def _check_choice(key: str, value: str, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key} {value!r} is not one of {sorted(valid)}")
+
+
+def _check_reward_fn(key: str, name: str) -> None:
+    from baton.rewards import get_reward_fn
+
+    try:
+        get_reward_fn(name)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

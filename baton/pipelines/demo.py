@@ -24,6 +24,7 @@ from baton.tracking import plot_run
 def _sft_default() -> SFTConfig:
     return SFTConfig(
         actor=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=3e-3))),
+        data=None,
         trainer=TrainerConfig(num_steps=300, num_prompts_per_step=64, val_every_steps=100, save_every_steps=300),
     )
 
@@ -36,19 +37,31 @@ def _rlvr_default() -> RLVRConfig:
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, num_samples_per_prompt=8),
         val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=6, num_samples_per_prompt=1),
         algorithm=AlgorithmConfig(adv_estimator="grpo"),
+        data=None,
         trainer=TrainerConfig(num_steps=300, num_prompts_per_step=64, val_every_steps=50, save_every_steps=100),
     )
 
 
 @dataclass
 class DemoConfig:
-    """SFT then RLVR; the RLVR stage's actor, rollout and reference start from the SFT stage's final checkpoint."""
+    """SFT then RLVR; the RLVR stage's actor, rollout, reference and critic start from the SFT stage's final checkpoint.
+
+    `data` serves both stages; a stage's own `data` section, when set, replaces it for that stage.
+    resume: "latest" continues an interrupted demo: a finished SFT stage is not rerun, and each stage
+    resumes from its latest checkpoint.
+    """
 
     pipeline_cls: str = "baton.pipelines.demo:DemoPipeline"
     run_dir: str = "runs/demo"
+    resume: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=_sft_default)
     rlvr: RLVRConfig = field(default_factory=_rlvr_default)
+
+    def __post_init__(self):
+        if self.resume not in (None, "latest"):
+            raise ValueError(f"resume {self.resume!r} is not 'latest' or null; to resume one stage from a given "
+                             "checkpoint, set sft.trainer.resume or rlvr.trainer.resume to its path")
 
 
 class DemoPipeline:
@@ -56,31 +69,29 @@ class DemoPipeline:
 
     def __init__(self, config: DemoConfig):
         self.config = config
+        for stage in (self.stage(config.sft, "sft"), self.stage(config.rlvr, "rlvr")):
+            stage.check()  # both stages' mistakes show now, not after the SFT stage has run
 
     def run(self) -> dict:
         from baton.pipelines.rlvr import RLVRPipeline
         from baton.pipelines.sft import SFTPipeline
 
         cfg = self.config
-        sft_cfg = dataclasses.replace(cfg.sft, data=cfg.data,
-                                      trainer=dataclasses.replace(cfg.sft.trainer, run_dir=os.path.join(cfg.run_dir, "sft")))
-        sft = SFTPipeline(sft_cfg)
-        try:
-            sft_summary = sft.run()
-        finally:
-            sft.shutdown()
-        checkpoint = os.path.abspath(os.path.join(list_checkpoints(sft.checkpoint_root)[-1], "actor"))
+        sft_cfg = self.stage(cfg.sft, "sft")
+        sft_summary_path = os.path.join(sft_cfg.trainer.run_dir, "summary.json")
+        if cfg.resume and os.path.isfile(sft_summary_path):  # written when the stage finished
+            with open(sft_summary_path) as f:
+                sft_summary = json.load(f)
+        else:
+            sft_summary = run_stage(SFTPipeline, sft_cfg)
+        checkpoint = os.path.abspath(os.path.join(list_checkpoints(os.path.join(sft_cfg.trainer.run_dir, "checkpoints"))[-1],
+                                                  "actor"))
+        rlvr_cfg = self.stage(cfg.rlvr, "rlvr")
         rlvr_cfg = dataclasses.replace(
-            cfg.rlvr, data=cfg.data,
-            actor=_from_checkpoint(cfg.rlvr.actor, checkpoint), rollout=_from_checkpoint(cfg.rlvr.rollout, checkpoint),
-            reference=_from_checkpoint(cfg.rlvr.reference, checkpoint) if cfg.rlvr.reference else None,
-            trainer=dataclasses.replace(cfg.rlvr.trainer, run_dir=os.path.join(cfg.run_dir, "rlvr")),
+            rlvr_cfg, actor=_from_checkpoint(rlvr_cfg.actor, checkpoint), rollout=_from_checkpoint(rlvr_cfg.rollout, checkpoint),
+            reference=_from_checkpoint(rlvr_cfg.reference, checkpoint), critic=_from_checkpoint(rlvr_cfg.critic, checkpoint),
         )
-        rlvr = RLVRPipeline(rlvr_cfg)
-        try:
-            rlvr_summary = rlvr.run()
-        finally:
-            rlvr.shutdown()
+        rlvr_summary = run_stage(RLVRPipeline, rlvr_cfg)
         summary = {
             "wall_s": sft_summary["wall_s"] + rlvr_summary["wall_s"],
             "start_val_accuracy": rlvr_summary["start_val_accuracy"],
@@ -92,6 +103,22 @@ class DemoPipeline:
         summary["plot"] = plot_run(cfg.run_dir)
         return summary
 
+    def stage(self, config, name: str):
+        """A stage's config with the shared data, its run directory under ours, and the demo's resume."""
+        trainer = dataclasses.replace(config.trainer, run_dir=os.path.join(self.config.run_dir, name),
+                                      resume=self.config.resume or config.trainer.resume)
+        return dataclasses.replace(config, data=config.data or self.config.data, trainer=trainer)
 
-def _from_checkpoint(role: RoleConfig, checkpoint: str) -> RoleConfig:
+
+def run_stage(pipeline_cls, config) -> dict:
+    pipeline = pipeline_cls(config)
+    try:
+        return pipeline.run()
+    finally:
+        pipeline.shutdown()
+
+
+def _from_checkpoint(role: RoleConfig | None, checkpoint: str) -> RoleConfig | None:
+    if role is None:
+        return None
     return dataclasses.replace(role, strategy=dataclasses.replace(role.strategy, model=checkpoint))

@@ -29,7 +29,12 @@ class PolicyLoss:
 
     def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch.batch["response_mask"]
-        loss, metrics = ppo_clip_loss(outputs["log_probs"], batch.batch["old_log_probs"], batch.batch["advantages"], mask,
+        # On-policy (one epoch, one mini-batch) the pipeline skips the old log-prob pass: the weights that
+        # produced the batch are the ones being trained, so the old log-probs are these, detached.
+        old_log_probs = batch.batch.get("old_log_probs")
+        if old_log_probs is None:
+            old_log_probs = outputs["log_probs"].detach()
+        loss, metrics = ppo_clip_loss(outputs["log_probs"], old_log_probs, batch.batch["advantages"], mask,
                                       self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.loss_agg_mode)
         out = {"actor/pg_loss": float(loss.detach()), "actor/pg_clipfrac": metrics["pg_clipfrac"],
                "actor/ppo_kl": metrics["ppo_kl"], "actor/pg_clipfrac_lower": metrics["pg_clipfrac_lower"]}

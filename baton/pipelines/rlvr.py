@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 from baton.algorithms import apply_kl_penalty, compute_advantages, loss_unit
 from baton.data import DataProto
@@ -43,9 +42,6 @@ class RLVRPipeline(Pipeline):
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
         if algo.adv_estimator == "gae":
-            if config.critic is None:
-                raise ValueError("algorithm.adv_estimator 'gae' needs a critic: add a `critic:` section "
-                                 "(strategy.kind: value), or use adv_estimator 'grpo'")
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
         clusters = self.create_clusters(roles)
         self.reward, self.reference, self.critic = clusters["reward"], clusters.get("reference"), clusters.get("critic")
@@ -55,6 +51,11 @@ class RLVRPipeline(Pipeline):
                                       algo.entropy_coeff, algo.kl_loss_coef if algo.use_kl_loss else 0.0,
                                       algo.kl_loss_estimator)
         self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode)
+        # One update per batch is on-policy: the loss detaches the current log-probs instead (as TRL does).
+        # Several epochs or mini-batches move the weights between updates, and the KL reward penalty
+        # needs the log-probs before the update.
+        self.needs_old_log_probs = (algo.num_ppo_epochs > 1 or algo.num_mini_batches_per_step > 1
+                                    or algo.use_kl_in_reward)
         self.maybe_resume()
 
     def next_prompts(self) -> DataProto:
@@ -95,18 +96,16 @@ class RLVRPipeline(Pipeline):
         if trainer.val_before_train and self.global_step == 0:
             first_val = self.validate()
             tracker.log(first_val, step=0)
-        bar = tqdm(range(self.global_step + 1, trainer.num_steps + 1), desc="rlvr", unit="step",
-                   disable=not trainer.progress_bar, initial=self.global_step, total=trainer.num_steps)
         metrics: dict[str, float] = {}
-        for step in bar:
-            self.global_step, self.timings = step, {}
+        for step in self.training_steps("rlvr"):
             with self.timer("step"):
                 with self.timer("gen"):
                     batch = self.rollout.generate(self.next_prompts(), sampling_params(self.config.sampling))
                 with self.timer("reward"):
                     batch = batch.union(self.reward.compute_rewards(batch).select(["scores", "token_level_scores"]))
-                with self.timer("old_log_prob"):
-                    batch.batch["old_log_probs"] = self.actor.compute_log_probs(batch).batch["log_probs"]
+                if self.needs_old_log_probs:
+                    with self.timer("old_log_prob"):
+                        batch.batch["old_log_probs"] = self.actor.compute_log_probs(batch).batch["log_probs"]
                 if self.reference is not None:
                     with self.timer("ref"):
                         batch.batch["ref_log_probs"] = self.reference.compute_log_probs(batch).batch["log_probs"]
@@ -125,7 +124,7 @@ class RLVRPipeline(Pipeline):
                         self.update_pairs[0].sync()
             metrics = {**self.rollout_metrics(batch), **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
-            self.end_step(step, metrics, tracker, bar, "reward", "critic/score/mean")
+            self.end_step(step, metrics, "reward", "critic/score/mean")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tqdm import tqdm
-
 from baton.datasets import PromptSampler, collate_sft
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RoleConfig, SFTConfig
@@ -48,16 +46,13 @@ class SFTPipeline(Pipeline):
         if first_val:
             tracker.log(first_val, step=0)
         metrics: dict[str, float] = {}
-        bar = tqdm(range(self.global_step + 1, trainer.num_steps + 1), desc="sft", unit="step",
-                   disable=not trainer.progress_bar, initial=self.global_step, total=trainer.num_steps)
-        for step in bar:
-            self.global_step, self.timings = step, {}
+        for step in self.training_steps("sft"):
             with self.timer("step"):
                 batch = collate_sft(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
                                     self.config.data.max_prompt_len)
                 per_rank = self.actor.train_step(batch, self.loss, "token")
             metrics = {"sft/loss": per_rank[0]["loss"], "actor/grad_norm": per_rank[0]["grad_norm"],
                        "actor/lr": per_rank[0]["lr"], **self.timings}
-            self.end_step(step, metrics, tracker, bar, "loss", "sft/loss")
+            self.end_step(step, metrics, "loss", "sft/loss")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_loss=metrics.get("sft/loss")))
