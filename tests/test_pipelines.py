@@ -15,6 +15,8 @@ from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import StrategyConfig
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
 
 def small_trainer(run_dir, **kwargs) -> TrainerConfig:
     settings = dict(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, val_every_steps=2,
@@ -214,3 +216,12 @@ def test_ctrl_c_finishes_the_step_saves_it_and_the_run_resumes_from_there(tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-3:] == [last_step, last_step + 1, last_step + 2]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(EXAMPLES) if n.endswith(".yaml")))
+def test_every_example_config_loads_and_passes_its_checks(name):
+    pipeline_cls, config = resolve(os.path.join(EXAMPLES, name), [])
+    if hasattr(config, "check"):
+        config.check()
+    if name == "demo.yaml":  # the spelled-out demo is the built-in default
+        assert config == resolve(None, [])[1]

@@ -63,21 +63,32 @@ class DemoConfig:
             raise ValueError(f"resume {self.resume!r} is not 'latest' or null; to resume one stage from a given "
                              "checkpoint, set sft.trainer.resume or rlvr.trainer.resume to its path")
 
+    def stage(self, name: str):
+        """Stage `name`'s config with the shared data, its run directory under ours, and our resume."""
+        config = getattr(self, name)
+        trainer = dataclasses.replace(config.trainer, run_dir=os.path.join(self.run_dir, name),
+                                      resume=self.resume or config.trainer.resume)
+        return dataclasses.replace(config, data=config.data or self.data, trainer=trainer)
+
+    def check(self) -> None:
+        """Both stages' checks, so that a mistake in the second shows before the first has run."""
+        self.stage("sft").check()
+        self.stage("rlvr").check()
+
 
 class DemoPipeline:
     config_cls = DemoConfig
 
     def __init__(self, config: DemoConfig):
+        config.check()
         self.config = config
-        for stage in (self.stage(config.sft, "sft"), self.stage(config.rlvr, "rlvr")):
-            stage.check()  # both stages' mistakes show now, not after the SFT stage has run
 
     def run(self) -> dict:
         from baton.pipelines.rlvr import RLVRPipeline
         from baton.pipelines.sft import SFTPipeline
 
         cfg = self.config
-        sft_cfg = self.stage(cfg.sft, "sft")
+        sft_cfg = cfg.stage("sft")
         sft_summary_path = os.path.join(sft_cfg.trainer.run_dir, "summary.json")
         if cfg.resume and os.path.isfile(sft_summary_path):  # written when the stage finished
             with open(sft_summary_path) as f:
@@ -86,7 +97,7 @@ class DemoPipeline:
             sft_summary = run_stage(SFTPipeline, sft_cfg)
         checkpoint = os.path.abspath(os.path.join(list_checkpoints(os.path.join(sft_cfg.trainer.run_dir, "checkpoints"))[-1],
                                                   "actor"))
-        rlvr_cfg = self.stage(cfg.rlvr, "rlvr")
+        rlvr_cfg = cfg.stage("rlvr")
         rlvr_cfg = dataclasses.replace(
             rlvr_cfg, actor=_from_checkpoint(rlvr_cfg.actor, checkpoint), rollout=_from_checkpoint(rlvr_cfg.rollout, checkpoint),
             reference=_from_checkpoint(rlvr_cfg.reference, checkpoint), critic=_from_checkpoint(rlvr_cfg.critic, checkpoint),
@@ -102,12 +113,6 @@ class DemoPipeline:
             json.dump(summary, f, indent=2)
         summary["plot"] = plot_run(cfg.run_dir)
         return summary
-
-    def stage(self, config, name: str):
-        """A stage's config with the shared data, its run directory under ours, and the demo's resume."""
-        trainer = dataclasses.replace(config.trainer, run_dir=os.path.join(self.config.run_dir, name),
-                                      resume=self.config.resume or config.trainer.resume)
-        return dataclasses.replace(config, data=config.data or self.config.data, trainer=trainer)
 
 
 def run_stage(pipeline_cls, config) -> dict:

@@ -41,6 +41,9 @@ def plot_run(run_dir: str, out_path: str | None = None) -> str:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"not logged in this run\n({', '.join(keys)})", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=8, color="gray")
     fig.tight_layout()
     out_path = out_path or os.path.join(run_dir, "metrics.png")
     fig.savefig(out_path, dpi=110)
