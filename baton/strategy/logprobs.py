@@ -1,14 +1,18 @@
 """From a causal LM's hidden states to per-token log-probs and entropy, a chunk of tokens at a time.
 
-Only the response positions go through the LM head, and only `chunk_size` tokens at once, so the
+Rows that share a prompt (the samples of one prompt) run that prompt through the model once. Only
+the response positions go through the LM head, and only `chunk_size` tokens at once, so the
 full-vocabulary float32 log-softmax is never held for the whole batch. With gradients enabled each
 chunk is recomputed in the backward pass instead of keeping its logits.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -16,15 +20,53 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def cache_argument(model) -> str:
+    """transformers 5 names the KV-cache argument `cache`; earlier releases `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor | None, response_len: int) -> torch.Tensor:
-    """Hidden states at the positions that predict each response token: [rows, response_len, hidden]."""
+    """Hidden states at the positions that predict each response token: [rows, response_len, hidden].
+
+    The columns before the last `response_len` are the prompt. Rows with equal prompts (ids, mask and
+    positions) share one pass over it: each distinct prompt runs once with a KV cache, every row gets
+    its prompt's keys and values (gradients flow back through the gather), and only the response
+    tokens run per row. Same values as one pass over the full rows, without repeating the prompt's
+    compute for each of a prompt's samples.
+    """
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state  # [rows, seq, hidden]
-    return hidden[:, -response_len - 1 : -1]
+    decoder = model.get_decoder()
+    prompt_len = input_ids.shape[1] - response_len
+    prompt_key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].long(),
+                            position_ids[:, :prompt_len]], dim=1)
+    distinct, row_prompt = torch.unique(prompt_key, dim=0, return_inverse=True)  # row_prompt: [rows]
+    # Gradient checkpointing turns the KV cache off in training, so it takes the full pass.
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    if prompt_len == 0 or len(distinct) == len(input_ids) or checkpointing:
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [rows, seq, hidden]
+        return hidden[:, -response_len - 1 : -1]
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    first_row = torch.full((len(distinct),), len(input_ids), device=input_ids.device).scatter_reduce(
+        0, row_prompt, rows, "amin")  # a row holding each distinct prompt
+    cache = DynamicCache()  # filled in place by each call
+    prompt_hidden = decoder(
+        input_ids=input_ids[first_row, :prompt_len], attention_mask=attention_mask[first_row, :prompt_len],
+        position_ids=position_ids[first_row, :prompt_len], use_cache=True, **{cache_argument(decoder): cache},
+    ).last_hidden_state  # [prompts, prompt_len, hidden]
+    last_prompt = prompt_hidden[row_prompt, -1:]  # [rows, 1, hidden]: predicts the first response token
+    if response_len == 1:
+        return last_prompt
+    cache.batch_select_indices(row_prompt)
+    # The response tokens but the last (it predicts nothing), attending to the prompt through the cache.
+    response_hidden = decoder(
+        input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids[:, prompt_len:-1], use_cache=True, **{cache_argument(decoder): cache},
+    ).last_hidden_state  # [rows, response_len - 1, hidden]
+    return torch.cat([last_prompt, response_hidden], dim=1)
 
 
 def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,

@@ -1,8 +1,10 @@
-"""Batched sampling from a causal LM with a KV cache and left-padded prompts."""
+"""Batched sampling from a causal LM with a KV cache and left-padded prompts.
+
+A prompt's samples share its prefill, and rows that have stopped leave the batch (and the cache):
+each step runs the model on the rows still generating only.
+"""
 
 from __future__ import annotations
-
-import inspect
 
 import numpy as np
 import torch
@@ -11,7 +13,7 @@ from transformers import DynamicCache
 from baton.data import DataProto
 
 from baton.strategy.base import SamplingParams
-from baton.strategy.logprobs import position_ids_from_mask
+from baton.strategy.logprobs import cache_argument, position_ids_from_mask
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -44,11 +46,6 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _cache_argument(model) -> str:
-    """transformers 5 names the KV-cache argument `cache`; earlier releases `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, pad_token_id: int,
            stop_token_ids: list[int], generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -58,22 +55,28 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     the longest sample, at most max_new_tokens) and `stopped` [rows] bool.
     """
     n = params.n
-    input_ids = input_ids.repeat_interleave(n, 0)  # [rows, prompt_len]
-    attention_mask = attention_mask.repeat_interleave(n, 0)
-    rows, device = input_ids.shape[0], input_ids.device
-    position_ids = position_ids_from_mask(attention_mask)
+    position_ids = position_ids_from_mask(attention_mask)  # [batch, prompt_len]
+    cache = DynamicCache()  # filled in place by every forward call
+    with_cache = {cache_argument(model): cache, "use_cache": True}
+    # The prompt's n samples share its prefill: each prompt runs once, then its cache and logits are repeated.
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
+                **with_cache)
+    cache.batch_repeat_interleave(n)
+    logits = out.logits[:, -1, :].repeat_interleave(n, 0)  # [rows, vocab]
+    attention_mask = attention_mask.repeat_interleave(n, 0)  # [rows, prompt_len]
+    next_position = position_ids[:, -1:].repeat_interleave(n, 0) + 1
+    rows, device = attention_mask.shape[0], attention_mask.device
     stop = torch.tensor(stop_token_ids, device=device)
     responses = torch.full((rows, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(rows, params.max_new_tokens, dtype=torch.float32, device=device)
     response_mask = torch.zeros(rows, params.max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    cache = {_cache_argument(model): DynamicCache()}  # filled in place by every forward call
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1, **cache)
-    next_position = position_ids[:, -1:] + 1
+    running = torch.arange(rows, device=device)  # the rows in the cache, in its order
     length = 0
     for step in range(params.max_new_tokens):
-        tokens, token_log_probs = next_tokens(out.logits[:, -1, :], params, generator)
+        # Every row draws, stopped ones from stale logits (their tokens are discarded): the generator's
+        # draws, and so the samples, do not depend on which rows have stopped.
+        tokens, token_log_probs = next_tokens(logits, params, generator)
         tokens = tokens.masked_fill(finished, pad_token_id)
         responses[:, step] = tokens
         log_probs[:, step] = token_log_probs.masked_fill(finished, 0.0)
@@ -83,8 +86,12 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
         if bool(finished.all()) or length == params.max_new_tokens:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position,
-                    use_cache=True, **cache)
+        still_running = ~finished[running]
+        if not bool(still_running.all()):
+            cache.batch_select_indices(still_running.nonzero().squeeze(-1))
+            running = running[still_running]
+        logits[running] = model(input_ids=tokens[running, None], attention_mask=attention_mask[running],
+                                position_ids=next_position[running], **with_cache).logits[:, -1, :]
         next_position = next_position + 1
     return {
         "responses": responses[:, :length],
