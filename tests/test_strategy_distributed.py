@@ -244,6 +244,8 @@ def test_colocated_rollout_shares_the_actors_tensors(backend, make_manager):
         assert not torch.allclose(before, after)
         assert torch.equal(after, actor.compute_log_probs(probe).batch["log_probs"])
         assert rollout.parameter_pointers() == [pointers]  # the optimizer updated the shared tensors in place
+        assert "weight_sync/max_logprob_diff" not in pair.sync()  # probed on the first sync only
+        assert rollout.parameter_pointers() == [pointers]
     finally:
         actor.shutdown()
 
