@@ -42,9 +42,11 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     prompt_key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].long(),
                             position_ids[:, :prompt_len]], dim=1)
     distinct, row_prompt = torch.unique(prompt_key, dim=0, return_inverse=True)  # row_prompt: [rows]
-    # Gradient checkpointing turns the KV cache off in training, so it takes the full pass.
+    # Sharing pays when prompts repeat (a prompt's samples); a stray duplicate (e.g. where a sampler's
+    # epochs meet) is not worth the second pass. Gradient checkpointing turns the KV cache off in
+    # training, so it takes the full pass.
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    if prompt_len == 0 or len(distinct) == len(input_ids) or checkpointing:
+    if prompt_len == 0 or 2 * len(distinct) > len(input_ids) or checkpointing:
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [rows, seq, hidden]
