@@ -31,7 +31,7 @@ def _sft_default() -> SFTConfig:
 
 def _rlvr_default() -> RLVRConfig:
     return RLVRConfig(
-        actor=RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=5e-4))),
+        actor=RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=3e-4))),
         rollout=RoleConfig(strategy=StrategyConfig()),
         colocate_actor_rollout=True,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, num_samples_per_prompt=8),
