@@ -135,8 +135,13 @@ class RLHead(torch.nn.Module):
                 with_entropy: bool = True, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         response_len = responses.shape[1]
         if self.kind == "value":
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-            return {"values": logits[:, -response_len - 1 : -1, 0].float()}
+            score = getattr(self.model, "score", None)  # the value head of Qwen2/Llama-style token classifiers
+            if score is None:
+                logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+                return {"values": logits[:, -response_len - 1 : -1, 0].float()}
+            # No dropout before the head: build_role_model sets classifier_dropout 0.
+            hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
+            return {"values": score(hidden)[..., 0].float()}
         hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
         log_probs, entropy = token_log_probs(hidden, self.model.get_output_embeddings(), responses, temperature,
                                              self.chunk_size, with_entropy, entropy_grad)
