@@ -85,7 +85,7 @@ def start_ray(trainer: TrainerConfig) -> None:
 
 
 class Pipeline:
-    """Base of the pipelines. `self.metrics_timer(name)` times a stage into `timing_s/<name>`."""
+    """Base of the pipelines. `with self.timer(name):` times a stage into `timing_s/<name>`."""
 
     def __init__(self, config, trainer: TrainerConfig):
         if hasattr(config, "check"):
@@ -210,7 +210,7 @@ class Pipeline:
             for step in self.bar:
                 self.global_step, self.timings = step, {}
                 yield step
-                if interrupted.is_set():
+                if interrupted.is_set() and step < trainer.num_steps:  # at the last step: just finish
                     self.bar.close()
                     self.tracker.close()
                     if self.last_saved_step != step:
