@@ -225,3 +225,20 @@ def test_every_example_config_loads_and_passes_its_checks(name):
         config.check()
     if name == "demo.yaml":  # the spelled-out demo is the built-in default
         assert config == resolve(None, [])[1]
+
+
+def test_a_resumed_demo_skips_its_finished_sft_stage_and_continues_rlvr(tmp_path):
+    from baton.pipelines.demo import DemoPipeline
+
+    settings = [f"run_dir={tmp_path}", "data.max_operand=9", "data.num_val_examples=8"]
+    for stage in ("sft", "rlvr"):
+        settings += [f"{stage}.trainer.backend=local", f"{stage}.trainer.progress_bar=false",
+                     f"{stage}.trainer.num_prompts_per_step=4", f"{stage}.trainer.save_every_steps=1"]
+    settings += ["sft.trainer.num_steps=2", "rlvr.sampling.num_samples_per_prompt=2", "rlvr.sampling.max_new_tokens=3"]
+    DemoPipeline(resolve(None, settings + ["rlvr.trainer.num_steps=1"])[1]).run()
+    sft_metrics = (tmp_path / "sft" / "metrics.jsonl").read_text()
+
+    summary = DemoPipeline(resolve(None, settings + ["rlvr.trainer.num_steps=2", "resume=latest"])[1]).run()
+    assert (tmp_path / "sft" / "metrics.jsonl").read_text() == sft_metrics  # not run again
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "rlvr" / "metrics.jsonl")]
+    assert steps == [0, 1, 2] and summary["sft"]["num_steps"] == 2

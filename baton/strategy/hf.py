@@ -32,11 +32,11 @@ def default_device() -> torch.device:
 
 def build_role_model(config: StrategyConfig):
     """The model of a role: a causal LM, or (kind "value") a one-output token classifier used as a critic."""
-    if config.kind == "causal_lm":
-        return build_model(config.model, dtype=config.torch_dtype, seed=config.seed)
+    from_directory = isinstance(config.model, str) and os.path.isdir(config.model)
+    if config.kind == "causal_lm":  # the seed initialises new weights; a checkpoint's are loaded as they are
+        return build_model(config.model, dtype=config.torch_dtype, seed=None if from_directory else config.seed)
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from_directory = isinstance(config.model, str) and os.path.isdir(config.model)
     model_cfg = AutoConfig.from_pretrained(config.model, local_files_only=True) if from_directory else model_config(config.model)
     model_cfg.num_labels = 1
     # The token-classification head applies dropout 0.1 by default: values in train_step would be
