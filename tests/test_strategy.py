@@ -258,6 +258,17 @@ def test_the_samples_of_a_prompt_share_its_pass(strategy, prompts, rollout):
     assert generate_shapes == [(3, prompt_len), (6, 1)]
     assert shapes == [(3, prompt_len), (6, response_len - 1)]
 
+    # One repeated prompt among distinct ones (where a sampler's epochs meet) is not worth a second pass.
+    mostly_distinct = rollout[[0, 1, 2, 4]]  # prompts a, a, b, c
+    assert torch.equal(mostly_distinct.batch["prompts"][0], mostly_distinct.batch["prompts"][1])
+    shapes.clear()
+    hook = embed.register_forward_hook(lambda module, args, out: shapes.append(out.shape[:2]))
+    try:
+        strategy.forward(mostly_distinct)
+    finally:
+        hook.remove()
+    assert shapes == [(4, prompt_len + response_len)]
+
 
 def test_stopped_rows_leave_the_batch(strategy, prompts):
     """Rows that have stopped are not run again (the responses are checked against a reference by
