@@ -242,3 +242,29 @@ def test_a_resumed_demo_skips_its_finished_sft_stage_and_continues_rlvr(tmp_path
     assert (tmp_path / "sft" / "metrics.jsonl").read_text() == sft_metrics  # not run again
     steps = [json.loads(line)["step"] for line in open(tmp_path / "rlvr" / "metrics.jsonl")]
     assert steps == [0, 1, 2] and summary["sft"]["num_steps"] == 2
+
+
+@pytest.mark.parametrize("interrupt_at", [1, 3])
+def test_ctrl_c_stops_after_the_step_unless_it_was_the_last(tmp_path, interrupt_at):
+    import signal
+
+    from baton.pipelines.base import TrainingInterrupted
+
+    class Interrupted(RLVRPipeline):
+        def end_step(self, step, metrics, label, key):
+            if step == interrupt_at:
+                os.kill(os.getpid(), signal.SIGINT)  # handled by the loop's deferred handler: no exception here
+            super().end_step(step, metrics, label, key)
+
+    role = RoleConfig(strategy=StrategyConfig(name="mock"))
+    config = RLVRConfig(actor=role, rollout=role, data=DataConfig(max_operand=9, num_val_examples=4),
+                        sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
+                        trainer=small_trainer(tmp_path, num_steps=3, save_every_steps=100))
+    if interrupt_at < 3:
+        with pytest.raises(TrainingInterrupted) as info:
+            run(Interrupted, config)
+        assert info.value.checkpoint == str(tmp_path / "checkpoints" / "step_1")
+        assert os.listdir(tmp_path / "checkpoints") == ["step_1"]
+    else:
+        assert run(Interrupted, config)["num_steps"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
