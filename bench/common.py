@@ -1,10 +1,11 @@
-"""What every benchmark does after measuring: write the JSON, list missed targets, choose the exit code."""
+"""What every benchmark shares: interleaved timing, the options, a local Ray, and the JSON, missed targets and exit code at the end."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 
@@ -24,6 +25,19 @@ def interleaved_times_s(baton_fn: Callable[[], object], other_fn: Callable[[], o
             fns[side]()
             times_s[side].append(time.perf_counter() - start)
     return times_s
+
+
+@contextmanager
+def local_ray(num_cpus: int):
+    """A Ray instance of our own for the benchmark, shut down after (even if another one, e.g. a test
+    session's, is running: address="local")."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def parser(description: str) -> argparse.ArgumentParser:

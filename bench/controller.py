@@ -30,7 +30,7 @@ import psutil
 import ray
 import torch
 
-from common import finish, interleaved_times_s, parser as common_parser
+from common import finish, interleaved_times_s, local_ray, parser as common_parser
 
 from baton import DataProto, Dispatch, ResourceManager, Worker, WorkerConfig, create_clusters_parallel, register
 
@@ -345,12 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = common_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
 
-    # address="local": start our own Ray even if another instance (e.g. a test session's) is running.
-    ray.init(address="local", num_cpus=NUM_RAY_CPUS, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
+    with local_ray(NUM_RAY_CPUS):
         figures = run_benchmarks(Reps.for_mode(args.quick), args.quick)
-    finally:
-        ray.shutdown()
 
     print_report(figures)
     return finish(figures, args.json, args.check)

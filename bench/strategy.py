@@ -32,10 +32,9 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 # with RAY_worker_niceness=15 to see Ray's default).
 os.environ.setdefault("RAY_worker_niceness", "0")
 
-import ray
 import torch
 
-from common import finish, interleaved_times_s, parser as common_parser
+from common import finish, interleaved_times_s, local_ray, parser as common_parser
 
 from baton import DataProto, Dispatch, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel, register
 from baton.models import build_model
@@ -362,12 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         parser.error(f"--threads {args.threads} must be >= 1")
 
-    # address="local": start our own Ray even if another instance (e.g. a test session's) is running.
-    ray.init(address="local", num_cpus=NUM_RAY_CPUS, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
+    with local_ray(NUM_RAY_CPUS):
         figures = run_benchmarks(Reps.for_mode(args.quick), args.threads, args.quick, args.profile)
-    finally:
-        ray.shutdown()
 
     print_report(figures)
     return finish(figures, args.json, args.check)
