@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dump_yaml(config), end="")
             return 0
-        summary = run_pipeline(pipeline_cls, config, args.ray_address)
+        summary = run_on_ray(pipeline_cls, config, args.ray_address)
     except (ConfigError, LayoutError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
@@ -66,19 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_pipeline(pipeline_cls, config, ray_address: str | None) -> dict:
+def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
+    """Run the pipeline on the cluster at `ray_address` (None: the pipeline starts a local Ray); Ray is shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
+
+    from baton.pipelines.base import run_pipeline
 
     if ray_address:
         ray.init(address=ray_address, logging_level="ERROR")
     try:
-        pipeline = pipeline_cls(config)
-        try:
-            return pipeline.run()
-        finally:
-            if hasattr(pipeline, "shutdown"):
-                pipeline.shutdown()
+        return run_pipeline(pipeline_cls, config)
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -37,7 +37,7 @@ from transformers.utils import logging as transformers_logging
 
 from common import finish, parser as common_parser
 
-from baton.pipelines.base import list_checkpoints
+from baton.pipelines.base import checkpoint_path, list_checkpoints, run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
     DataConfig,
@@ -90,7 +90,7 @@ def sft_checkpoint(run_dir: str, fresh: bool) -> str:
     sft_dir = os.path.join(run_dir, "sft")
     if fresh:
         shutil.rmtree(sft_dir, ignore_errors=True)
-    final = os.path.join(sft_dir, "checkpoints", f"step_{SFT_STEPS}", "actor")
+    final = os.path.join(checkpoint_path(sft_dir, SFT_STEPS), "actor")
     if os.path.isdir(final):
         print(f"SFT checkpoint: reusing {final} (--fresh to redo it)")
         return os.path.abspath(final)
@@ -102,12 +102,8 @@ def sft_checkpoint(run_dir: str, fresh: bool) -> str:
                               val_before_train=False, save_every_steps=SFT_STEPS, keep_last_checkpoints=1, seed=SEED,
                               run_dir=sft_dir, backend="local", progress_bar=False),
     )
-    pipeline = SFTPipeline(config)
-    try:
-        pipeline.run()
-    finally:
-        pipeline.shutdown()
-    assert list_checkpoints(os.path.join(sft_dir, "checkpoints"))[-1].endswith(f"step_{SFT_STEPS}")
+    run_pipeline(SFTPipeline, config)
+    assert list_checkpoints(sft_dir)[-1].endswith(f"step_{SFT_STEPS}")
     return os.path.abspath(final)
 
 
@@ -171,7 +167,7 @@ def run_baton(checkpoint: str, num_steps: int, run_dir: str) -> dict:
         "stage_times_s": {k.removeprefix("timing_s/"): [r.get(k, 0.0) for r in records] for k in stages},
         "tokens_per_step": [r["response_length/mean"] * ROWS_PER_STEP for r in records],
         "rewards": [r["critic/score/mean"] for r in records],
-        "final_model": os.path.join(list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1], "actor"),
+        "final_model": os.path.join(list_checkpoints(run_dir)[-1], "actor"),
         "threads": threads,
     }
 

@@ -10,6 +10,7 @@ import pytest
 from baton.cli import resolve
 from baton.config import ConfigError
 from baton.distributed import LayoutError
+from baton.pipelines.base import run_pipeline as run
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.sft import SFTPipeline
@@ -22,14 +23,6 @@ def small_trainer(run_dir, **kwargs) -> TrainerConfig:
     settings = dict(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, val_every_steps=2,
                     save_every_steps=2, progress_bar=False)
     return TrainerConfig(**{**settings, **kwargs})
-
-
-def run(pipeline_cls, config) -> dict:
-    pipeline = pipeline_cls(config)
-    try:
-        return pipeline.run()
-    finally:
-        pipeline.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["mock", "hf"])

@@ -24,13 +24,12 @@ from tqdm import tqdm
 
 from baton.config import dump_yaml, import_object, to_dict
 from baton.datasets import PromptSampler
-from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel
+from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec, create_clusters_parallel
 from baton.pipelines.config import RoleConfig, TrainerConfig
 from baton.tracking import Tracker, plot_run
 from baton.workers.weight_sync import ModelUpdatePair
 
 CHECKPOINT_PREFIX = "step_"
-MODEL_ROLES = ("actor", "rollout", "reference", "critic", "policy")  # "policy": actor + rollout fused
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -121,17 +120,10 @@ class Pipeline:
         requests = []
         for name, (default_cls, role, args) in roles.items():
             cls = import_object(role.worker_cls) if role.worker_cls else default_cls
-            requests.append((WorkerSpec(cls, args), self.worker_config(name, role)))
+            requests.append((WorkerSpec(cls, args), role.worker_config(name)))
         clusters = create_clusters_parallel(requests, self.manager)
         self.clusters.update(zip(roles, clusters))
         return dict(zip(roles, clusters))
-
-    def worker_config(self, name: str, role: RoleConfig) -> WorkerConfig:
-        # Model roles may be given the same devices: they time-share them (offloading between turns).
-        world_size = role.world_size if role.world_size or role.device_mapping else 1
-        return WorkerConfig(name, world_size=world_size, device_mapping=role.device_mapping,
-                            num_devices_per_worker=role.num_devices_per_worker,
-                            num_cpus_per_worker=role.num_cpus_per_worker, share_devices_with=MODEL_ROLES)
 
     # --- timing and logging -------------------------------------------------------------------
 
@@ -143,9 +135,6 @@ class Pipeline:
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    @property
-    def checkpoint_root(self) -> str:
-        return os.path.join(self.trainer.run_dir, "checkpoints")
 
     def pipeline_state(self) -> dict:
         """What besides the clusters a resume needs: step, data position, RNG states."""
@@ -166,7 +155,7 @@ class Pipeline:
 
     def do_checkpoint(self, step: int) -> str:
         """Write `checkpoints/step_<step>` atomically (a `.partial` directory renamed at the end); keep the last K."""
-        final = os.path.join(self.checkpoint_root, f"{CHECKPOINT_PREFIX}{step}")
+        final = checkpoint_path(self.trainer.run_dir, step)
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
@@ -176,7 +165,7 @@ class Pipeline:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         self.last_saved_step = step
-        for old in list_checkpoints(self.checkpoint_root)[: -self.trainer.keep_last_checkpoints or None]:
+        for old in list_checkpoints(self.trainer.run_dir)[: -self.trainer.keep_last_checkpoints or None]:
             shutil.rmtree(old)
         return final
 
@@ -186,7 +175,7 @@ class Pipeline:
         if resume is None:
             return
         if resume == "latest":
-            found = list_checkpoints(self.checkpoint_root)
+            found = list_checkpoints(self.trainer.run_dir)
             if not found:
                 return
             resume = found[-1]
@@ -215,7 +204,7 @@ class Pipeline:
                     self.tracker.close()
                     if self.last_saved_step != step:
                         self.do_checkpoint(step)
-                    raise TrainingInterrupted(os.path.join(self.checkpoint_root, f"{CHECKPOINT_PREFIX}{step}"))
+                    raise TrainingInterrupted(checkpoint_path(self.trainer.run_dir, step))
         self.bar.close()
 
     def end_step(self, step: int, metrics: dict[str, float], label: str, key: str) -> None:
@@ -266,22 +255,38 @@ def device_roles(config) -> dict[str, RoleConfig]:
 def devices_needed(config, num_nodes: int = 1) -> int:
     """Device slots per node that the config's roles ask for: (highest device id + 1) over the nodes; at least 1."""
     total = 1
-    for role in device_roles(config).values():
-        count = role.num_workers * role.num_devices_per_worker
+    for name, role in device_roles(config).items():
+        count = role.num_workers(name) * role.num_devices_per_worker
         total = max(total, max(role.device_mapping) + 1 if role.device_mapping else count)
     return -(-total // num_nodes)
 
 
 def describe_roles(config) -> str:
-    return ", ".join(f"{name}: {role.num_workers} worker(s) × {role.num_devices_per_worker} device(s)"
+    return ", ".join(f"{name}: {role.num_workers(name)} worker(s) × {role.num_devices_per_worker} device(s)"
                      + (f" on devices {role.device_mapping}" if role.device_mapping else "")
                      for name, role in device_roles(config).items())
 
 
-def list_checkpoints(root: str) -> list[str]:
-    """Complete checkpoints under `root`, oldest first."""
+def checkpoint_path(run_dir: str, step: int) -> str:
+    """Where a run directory keeps the checkpoint of `step`."""
+    return os.path.join(run_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    """The run directory's complete checkpoints, oldest first."""
+    root = os.path.dirname(checkpoint_path(run_dir, 0))
     if not os.path.isdir(root):
         return []
     steps = sorted(int(d[len(CHECKPOINT_PREFIX):]) for d in os.listdir(root)
                    if d.startswith(CHECKPOINT_PREFIX) and d[len(CHECKPOINT_PREFIX):].isdigit())
-    return [os.path.join(root, f"{CHECKPOINT_PREFIX}{s}") for s in steps]
+    return [checkpoint_path(run_dir, s) for s in steps]
+
+
+def run_pipeline(pipeline_cls, config) -> dict:
+    """Build the pipeline, run it, and shut its clusters down however it ends; returns its summary."""
+    pipeline = pipeline_cls(config)
+    try:
+        return pipeline.run()
+    finally:
+        if hasattr(pipeline, "shutdown"):
+            pipeline.shutdown()

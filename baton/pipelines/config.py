@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.config import ConfigError
-from baton.strategy import OptimizerConfig, StrategyConfig
+from baton.distributed import WorkerConfig
+from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 
+MODEL_ROLES = ("actor", "rollout", "reference", "critic", "policy")  # "policy": actor + rollout fused
 # Estimators whose baseline is the prompt's other samples: a group of one sample learns nothing.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
@@ -26,14 +28,17 @@ class RoleConfig:
     num_cpus_per_worker: float = 1.0  # CPU-only workers
     worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
 
-    @property
-    def num_workers(self) -> int:
-        """world_size, else one worker per `num_devices_per_worker` devices of device_mapping, else 1."""
-        if self.world_size:
-            return self.world_size
-        if self.device_mapping:
-            return max(1, len(self.device_mapping) // max(1, self.num_devices_per_worker))
-        return 1
+    def worker_config(self, name: str) -> WorkerConfig:
+        """The cluster `name` of this role: one worker unless world_size or device_mapping say otherwise.
+        Model roles may be given the same devices: they time-share them (offloading between turns)."""
+        world_size = self.world_size if self.world_size or self.device_mapping else 1
+        return WorkerConfig(name, world_size=world_size, device_mapping=self.device_mapping,
+                            num_devices_per_worker=self.num_devices_per_worker,
+                            num_cpus_per_worker=self.num_cpus_per_worker, share_devices_with=MODEL_ROLES)
+
+    def num_workers(self, name: str) -> int:
+        """Workers in cluster `name` of this role; a layout that contradicts itself raises LayoutError with the fix."""
+        return self.worker_config(name).resolve_world_size(None)[0]
 
 
 @dataclass
@@ -65,6 +70,11 @@ class SamplingConfig:
     top_k: int = 0
     max_new_tokens: int = 8
     num_samples_per_prompt: int = 8
+
+    def params(self, seed: int | None = None) -> SamplingParams:
+        """These settings as the strategies' `SamplingParams` (seed None: the rollout's own generator)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, n=self.num_samples_per_prompt, seed=seed)
 
 
 @dataclass
@@ -164,11 +174,12 @@ class RLVRConfig:
         rows = trainer.num_prompts_per_step * num_samples // algo.num_mini_batches_per_step
         for name in ("actor", "critic"):
             role = getattr(self, name)
-            if role is not None and rows % role.num_workers:
+            workers = role.num_workers(name) if role is not None else 1
+            if rows % workers:
                 raise ConfigError(
                     f"a mini-batch of {rows} responses (trainer.num_prompts_per_step × sampling.num_samples_per_prompt "
-                    f"/ algorithm.num_mini_batches_per_step) does not split evenly over the {role.num_workers} {name} "
-                    f"workers; make it a multiple of {role.num_workers}")
+                    f"/ algorithm.num_mini_batches_per_step) does not split evenly over the {workers} {name} "
+                    f"workers; make it a multiple of {workers}")
         rollout_layout = (self.rollout.world_size, self.rollout.device_mapping)
         if self.colocate_actor_rollout and rollout_layout != (None, None) and rollout_layout != (
                 self.actor.world_size, self.actor.device_mapping):
@@ -191,7 +202,7 @@ class SFTConfig:
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         _check_data(self.data)
-        workers = self.actor.num_workers
+        workers = self.actor.num_workers("actor")
         if self.trainer.num_prompts_per_step % workers:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
                               f"over the {workers} actor workers; make it a multiple of {workers}")

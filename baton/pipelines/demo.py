@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from baton.pipelines.base import list_checkpoints
+from baton.pipelines.base import list_checkpoints, run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
     DataConfig,
@@ -94,15 +94,14 @@ class DemoPipeline:
             with open(sft_summary_path) as f:
                 sft_summary = json.load(f)
         else:
-            sft_summary = run_stage(SFTPipeline, sft_cfg)
-        checkpoint = os.path.abspath(os.path.join(list_checkpoints(os.path.join(sft_cfg.trainer.run_dir, "checkpoints"))[-1],
-                                                  "actor"))
+            sft_summary = run_pipeline(SFTPipeline, sft_cfg)
+        checkpoint = os.path.abspath(os.path.join(list_checkpoints(sft_cfg.trainer.run_dir)[-1], "actor"))
         rlvr_cfg = cfg.stage("rlvr")
         rlvr_cfg = dataclasses.replace(
             rlvr_cfg, actor=_from_checkpoint(rlvr_cfg.actor, checkpoint), rollout=_from_checkpoint(rlvr_cfg.rollout, checkpoint),
             reference=_from_checkpoint(rlvr_cfg.reference, checkpoint), critic=_from_checkpoint(rlvr_cfg.critic, checkpoint),
         )
-        rlvr_summary = run_stage(RLVRPipeline, rlvr_cfg)
+        rlvr_summary = run_pipeline(RLVRPipeline, rlvr_cfg)
         summary = {
             "wall_s": sft_summary["wall_s"] + rlvr_summary["wall_s"],
             "start_val_accuracy": rlvr_summary["start_val_accuracy"],
@@ -113,14 +112,6 @@ class DemoPipeline:
             json.dump(summary, f, indent=2)
         summary["plot"] = plot_run(cfg.run_dir)
         return summary
-
-
-def run_stage(pipeline_cls, config) -> dict:
-    pipeline = pipeline_cls(config)
-    try:
-        return pipeline.run()
-    finally:
-        pipeline.shutdown()
 
 
 def _from_checkpoint(role: RoleConfig | None, checkpoint: str) -> RoleConfig | None:

@@ -8,7 +8,6 @@ from baton.data import DataProto
 from baton.datasets import PromptDataset, collate_prompts
 from baton.distributed import WorkerSpec, create_colocated_clusters
 from baton.pipelines.config import RoleConfig, SamplingConfig
-from baton.strategy import SamplingParams
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
@@ -27,7 +26,7 @@ def build_policy(pipeline, actor: RoleConfig, rollout: RoleConfig, colocate: boo
     if colocate:
         views = create_colocated_clusters(
             {"actor": WorkerSpec(ActorWorker, (actor.strategy,)), "rollout": WorkerSpec(RolloutWorker, (rollout.strategy,))},
-            pipeline.worker_config("policy", actor), pipeline.manager,
+            actor.worker_config("policy"), pipeline.manager,
         )
         pipeline.clusters.update(views)
         both_hf = actor.strategy.name == rollout.strategy.name == "hf"
@@ -45,9 +44,7 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
     if data is None or not len(data):
         return {}
     prompts = collate_prompts(data, range(len(data)), tokenizer, max_prompt_len)
-    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            max_new_tokens=sampling.max_new_tokens, n=sampling.num_samples_per_prompt, seed=0)
-    out: DataProto = rollout.generate(prompts, params)
+    out: DataProto = rollout.generate(prompts, sampling.params(seed=0))
     scores = reward.compute_rewards(out).batch["scores"].numpy()
     return {"val/accuracy": float(np.mean(scores >= 1.0)), "val/reward/mean": float(scores.mean()),
             "val/response_length/mean": float(out.batch["response_mask"].sum(-1).float().mean())}

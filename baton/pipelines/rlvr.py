@@ -14,17 +14,11 @@ from baton.algorithms import apply_kl_penalty, compute_advantages, loss_unit
 from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
-from baton.pipelines.config import RLVRConfig, SamplingConfig
+from baton.pipelines.config import RLVRConfig
 from baton.pipelines.data import load_datasets
 from baton.pipelines.losses import PolicyLoss, ValueLoss
 from baton.pipelines.policy import build_policy, validate
-from baton.strategy import SamplingParams
 from baton.workers import CriticWorker, ReferenceWorker, RewardWorker
-
-
-def sampling_params(cfg: SamplingConfig, seed: int | None = None) -> SamplingParams:
-    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_new_tokens=cfg.max_new_tokens, n=cfg.num_samples_per_prompt, seed=seed)
 
 
 class RLVRPipeline(Pipeline):
@@ -100,7 +94,7 @@ class RLVRPipeline(Pipeline):
         for step in self.training_steps("rlvr"):
             with self.timer("step"):
                 with self.timer("gen"):
-                    batch = self.rollout.generate(self.next_prompts(), sampling_params(self.config.sampling))
+                    batch = self.rollout.generate(self.next_prompts(), self.config.sampling.params())
                 with self.timer("reward"):
                     batch = batch.union(self.reward.compute_rewards(batch).select(["scores", "token_level_scores"]))
                 if self.needs_old_log_probs:
@@ -156,4 +150,4 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {(k if "/" in k else prefix + k): v for k, v in metrics.items()}
 
 
-__all__ = ["RLVRPipeline", "sampling_params"]
+__all__ = ["RLVRPipeline"]
