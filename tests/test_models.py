@@ -37,13 +37,13 @@ def test_vocabulary_and_special_ids(tokenizer):
         "<pad>", "<eos>", "<bos>", "<unk>",
     )
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id) == (0, 1, 2, 3)
-    assert tokenizer.convert_tokens_to_ids(["\n", " ", "~"]) == [4, 5, 99]
+    assert tokenizer("\n ~")["input_ids"] == [4, 5, 99]
     assert tokenizer.padding_side == "right"
 
 
 def test_one_token_per_character_and_exact_round_trip(tokenizer):
     ids = tokenizer(SAMPLE_TEXT)["input_ids"]
-    assert ids == tokenizer.convert_tokens_to_ids(list(SAMPLE_TEXT))  # no bos/eos, no merges
+    assert ids == [4 + CHARACTERS.index(char) for char in SAMPLE_TEXT]  # no bos/eos, no merges
     assert tokenizer.decode(ids) == SAMPLE_TEXT
     assert tokenizer.decode([2, *ids, 1, 0, 0], skip_special_tokens=True) == SAMPLE_TEXT
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from baton.data import DataProto
-from baton.models import build_model, load_tokenizer, model_config
+from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
 from baton.strategy.logprobs import RLHead, position_ids_from_mask
 from baton.strategy.sampling import generation_output, sample
@@ -261,7 +261,7 @@ class TorchStrategy:
         state = self._full_state_dict()
         if self._is_writer():
             self.hf_model.save_pretrained(partial, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(partial)
+            save_tokenizer(self.tokenizer, partial)  # after config.json, which AutoTokenizer reads
             with open(os.path.join(partial, "trainer_state.json"), "w") as f:
                 json.dump({"global_step": self.global_step}, f)
             if self.scheduler is not None:
