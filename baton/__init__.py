@@ -1,27 +1,52 @@
 """baton: distributed reinforcement-learning post-training of language models."""
 
-from baton.data import DataProto
-from baton.distributed import (
-    Cluster,
-    DataProtoFuture,
-    Dispatch,
-    Execute,
-    RankInfo,
-    ResourceManager,
-    ResourcePool,
-    Worker,
-    WorkerConfig,
-    WorkerSpec,
-    create_clusters_parallel,
-    create_colocated_clusters,
-    materialize_concat,
-    register,
-    register_dispatch_mode,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = [
-    "Cluster", "DataProto", "DataProtoFuture", "Dispatch", "Execute", "RankInfo", "ResourceManager", "ResourcePool",
-    "Worker", "WorkerConfig", "WorkerSpec", "create_clusters_parallel", "create_colocated_clusters",
-    "materialize_concat", "register", "register_dispatch_mode",
-]
+
+# Exported name -> the module that defines it. Imported on first use, so that `import baton`
+# (and the `baton` command's --help) does not pay for torch and Ray.
+_EXPORTS = {
+    "DataProto": "baton.data",
+    **{name: "baton.distributed" for name in (
+        "Cluster", "DataProtoFuture", "Dispatch", "Execute", "RankInfo", "ResourceManager", "ResourcePool", "Worker",
+        "WorkerConfig", "WorkerSpec", "create_clusters_parallel", "create_colocated_clusters", "materialize_concat",
+        "register", "register_dispatch_mode",
+    )},
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from baton.data import DataProto
+    from baton.distributed import (
+        Cluster,
+        DataProtoFuture,
+        Dispatch,
+        Execute,
+        RankInfo,
+        ResourceManager,
+        ResourcePool,
+        Worker,
+        WorkerConfig,
+        WorkerSpec,
+        create_clusters_parallel,
+        create_colocated_clusters,
+        materialize_concat,
+        register,
+        register_dispatch_mode,
+    )
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'baton' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
