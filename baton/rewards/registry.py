@@ -31,4 +31,5 @@ def get_reward_fn(name: str) -> RewardFn:
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load reward function {name!r}: {exc}") from exc
+        raise ValueError(f"cannot load reward function {name!r}: {exc} (modules are found beside the config file, "
+                         "in the working directory and on PYTHONPATH)") from exc
