@@ -112,19 +112,31 @@ def test_call_timeout_names_the_pending_ranks(make_manager):
 
 @pytest.mark.ray
 def test_unplaceable_worker_is_refused_with_advice(make_manager):
+    # More CPUs than the node has beside the manager's reserved slots: refused before any process starts.
     config = WorkerConfig("greedy", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=64)
-    with pytest.raises(LayoutError, match="'greedy': rank 0 cannot be placed(.|\n)*ask for fewer CPUs per worker"):
+    with pytest.raises(LayoutError, match="'greedy': 1 CPU-only worker\\(s\\) × 64 CPU do not fit(.|\n)*fewer or smaller"):
         Cluster(Fragile, config, make_manager("ray"))
 
 
 @pytest.mark.ray
 def test_worker_waiting_for_busy_resources_times_out_with_advice(make_manager):
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     manager = make_manager("ray", num_nodes=1, num_devices_per_node=4)
     [node] = [n for n in ray.nodes() if n["NodeID"] == manager.node_id(0)]
-    # Fits the node's total CPUs, not what the 4 reserved slots leave free: waits, then times out.
-    config = WorkerConfig("waiting", world_size=1, num_devices_per_worker=0,
-                          num_cpus_per_worker=node["Resources"]["CPU"] - 1, start_timeout_s=2.0)
-    with pytest.raises(CallTimeoutError, match="not started after 2 s(.|\n)*ask for fewer CPUs per worker"):
-        Cluster(Fragile, config, manager)
+    spare = node["Resources"]["CPU"] - 4  # what the 4 reserved slots leave
+    # Fits beside the reserved slots, but something else holds those CPUs now: waits, then times out.
+    class Holder:
+        pass
+
+    holder = ray.remote(num_cpus=spare, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))(
+        Holder).remote()
+    try:
+        ray.get(holder.__ray_ready__.remote())
+        config = WorkerConfig("waiting", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=spare,
+                              start_timeout_s=2.0)
+        with pytest.raises(CallTimeoutError, match="not started after 2 s(.|\n)*ask for fewer CPUs per worker"):
+            Cluster(Fragile, config, manager)
+    finally:
+        ray.kill(holder)

@@ -48,6 +48,9 @@ class WorkerConfig:
     or `world_size` (then devices 0.. of the pool are used). `num_devices_per_worker=0` makes
     CPU-only workers (reward, data) that are spread over the nodes outside the device slots.
     Two clusters may use the same devices only if one lists the other in `share_devices_with`.
+    `num_threads_per_worker` sets torch's threads in each worker process; None follows the worker's
+    CPU share (see `ResourceManager`), at least 1. On the local backend the workers share the
+    driver's process and its threads, and the setting is ignored.
     """
 
     name: str
@@ -55,6 +58,7 @@ class WorkerConfig:
     device_mapping: list[int] | None = None
     num_devices_per_worker: int = 1
     num_cpus_per_worker: float = 1.0
+    num_threads_per_worker: int | None = None
     share_devices_with: tuple[str, ...] = ()
     env_vars: dict[str, str] = field(default_factory=dict)
     call_timeout_s: float = 1800.0
@@ -65,6 +69,9 @@ class WorkerConfig:
         """(world_size, device_mapping) after defaults; raises LayoutError with the fix when they disagree."""
         if not self.name:
             raise LayoutError("WorkerConfig.name is empty; name the role, e.g. 'actor'")
+        if self.num_threads_per_worker is not None and self.num_threads_per_worker < 1:
+            raise LayoutError(f"cluster {self.name!r}: num_threads_per_worker={self.num_threads_per_worker} must be >= 1 "
+                              "(or None: the worker's CPU share)")
         k = self.num_devices_per_worker
         if k < 0:
             raise LayoutError(f"cluster {self.name!r}: num_devices_per_worker={k} must be >= 0")
@@ -114,6 +121,12 @@ class _Group:
                 f"cluster {config.name!r}: env_vars are ignored on the local backend (workers share the driver's "
                 "process); set them in the driver's environment instead", stacklevel=3,
             )
+        if config.num_threads_per_worker is not None and self.manager.backend == "local":
+            warnings.warn(
+                f"cluster {config.name!r}: num_threads_per_worker={config.num_threads_per_worker} is ignored on the local "
+                "backend (workers share the driver's process and its torch threads); call torch.set_num_threads in the "
+                "driver instead", stacklevel=3,
+            )
         self.placements: list[Placement] = self.manager.place(
             config.name, self.world_size, mapping, config.num_devices_per_worker, config.num_cpus_per_worker,
             config.share_devices_with,
@@ -145,14 +158,28 @@ class _Group:
                 cluster_name=self.name, rank=rank, world_size=self.world_size, local_rank=placement.local_rank,
                 local_world_size=placement.local_world_size, master_addr=addr, master_port=port,
                 device_ids=placement.device_ids, node_index=placement.node_index, backend=self.backend.name,
+                num_threads=self.num_threads(placement),
             )
             refs.append(self.backend.submit(host, "construct", roles, context, dict(self.config.env_vars)))
         return refs
 
+    def num_threads(self, placement: Placement) -> int | None:
+        """Torch threads for a worker process: the config's, an OMP_NUM_THREADS in its env_vars, or its CPU share."""
+        if self.manager.backend == "local":
+            return None
+        if self.config.num_threads_per_worker is not None:
+            return self.config.num_threads_per_worker
+        if "OMP_NUM_THREADS" in self.config.env_vars:
+            return int(self.config.env_vars["OMP_NUM_THREADS"])
+        return max(1, int(placement.num_cpus))
+
     def await_construct(self, refs: list) -> None:
-        self.backend.get(refs, self.sources("__init__"), self.config.start_timeout_s + self.config.call_timeout_s)
-        if self.manager.backend == "ray" and self.config.health_check_interval_s > 0:
-            self.monitor = HealthMonitor(self.hosts, self.config.health_check_interval_s)
+        reports = self.backend.get(refs, self.sources("__init__"), self.config.start_timeout_s + self.config.call_timeout_s)
+        if self.manager.backend == "ray":
+            self.manager.record_threads(self.name, [(placement, threads, cores)
+                                                    for placement, (threads, cores) in zip(self.placements, reports)])
+            if self.config.health_check_interval_s > 0:
+                self.monitor = HealthMonitor(self.hosts, self.config.health_check_interval_s)
 
     def dead_check(self):
         return self.monitor.check if self.monitor is not None else None
@@ -338,22 +365,36 @@ def _start_groups(groups: Sequence[_Group]) -> None:
         for group in groups:
             group.shutdown()
         raise
+    if groups:
+        groups[0].manager.check_threads()  # once all are up, so that the warning counts them all
 
 
 def create_clusters_parallel(
-    requests: Sequence[tuple[type | WorkerSpec, WorkerConfig]], resources: ResourceManager | ResourcePool
-) -> list[Cluster]:
-    """Build several clusters at once: all their processes start together, then all workers construct together."""
-    clusters = []
+    requests: Sequence[tuple[type | WorkerSpec | dict[str, type | WorkerSpec], WorkerConfig]],
+    resources: ResourceManager | ResourcePool,
+) -> list:
+    """Build several clusters at once: all their processes start together, then all workers construct together.
+
+    A request's worker may be a dict role → worker: those roles share each process (as in
+    `create_colocated_clusters`), and that request's entry in the result is a dict role → cluster view.
+    """
+    groups, results = [], []
     try:
         for worker, config in requests:
-            clusters.append(Cluster(worker, config, resources, _start=False))
+            if isinstance(worker, dict):
+                group = _Group(_fused_specs(worker), config, resources)
+                results.append({role: Cluster._view(group, role) for role in group.roles})
+            else:
+                cluster = Cluster(worker, config, resources, _start=False)
+                group = cluster._group
+                results.append(cluster)
+            groups.append(group)
     except BaseException:
-        for cluster in clusters:  # give back the devices the earlier requests claimed
-            cluster._group.shutdown()
+        for group in groups:  # give back the devices the earlier requests claimed
+            group.shutdown()
         raise
-    _start_groups([c._group for c in clusters])
-    return clusters
+    _start_groups(groups)
+    return results
 
 
 def create_colocated_clusters(
@@ -364,9 +405,10 @@ def create_colocated_clusters(
     Each role's worker is built in the same process, so roles can share tensors without copies;
     each is returned as its own cluster view, named by its role.
     """
-    specs = {role: w if isinstance(w, WorkerSpec) else WorkerSpec(w) for role, w in roles.items()}
-    if not specs:
-        raise ValueError("create_colocated_clusters needs at least one role")
-    group = _Group(specs, config, resources)
-    _start_groups([group])
-    return {role: Cluster._view(group, role) for role in specs}
+    return create_clusters_parallel([(roles, config)], resources)[0]
+
+
+def _fused_specs(roles: dict[str, type | WorkerSpec]) -> dict[str, WorkerSpec]:
+    if not roles:
+        raise ValueError("colocated clusters need at least one role")
+    return {role: w if isinstance(w, WorkerSpec) else WorkerSpec(w) for role, w in roles.items()}

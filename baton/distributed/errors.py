@@ -31,3 +31,7 @@ class WorkerDiedError(WorkerError):
 
 class CallTimeoutError(TimeoutError):
     """A remote call did not finish within its timeout."""
+
+
+class OversubscriptionWarning(UserWarning):
+    """The worker processes on a node run more torch threads than it has cores."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from baton.data import DataProto
-from baton.distributed.worker import RankInfo, WorkerContext, find_free_port, node_ip_address
+from baton.distributed.worker import RankInfo, WorkerContext, find_free_port, node_ip_address, usable_cpu_count
 
 
 class WorkerHost:
@@ -25,16 +25,24 @@ class WorkerHost:
             self._master = (node_ip_address(), find_free_port())
         return self._master
 
-    def construct(self, roles: dict[str, tuple[type, tuple, dict]], context: WorkerContext, env: dict[str, str]) -> None:
-        """Build each role's worker: attach its context, then run its `__init__`."""
+    def construct(self, roles: dict[str, tuple[type, tuple, dict]], context: WorkerContext,
+                  env: dict[str, str]) -> tuple[int, int]:
+        """Build each role's worker: attach its context, then run its `__init__`. Returns (torch threads, cores)."""
+        import torch
+
         if self._sets_environment:
             os.environ.update(context.env_vars())
             os.environ.update(env)
+            if context.num_threads is not None:
+                # Explicit: Ray sets OMP_NUM_THREADS only where unset, and torch reads it only at its import.
+                os.environ["OMP_NUM_THREADS"] = str(context.num_threads)
+                torch.set_num_threads(context.num_threads)
         for role, (cls, args, kwargs) in roles.items():
             worker = cls.__new__(cls)
             worker._baton_attach(context, self._workers)
             worker.__init__(*args, **kwargs)
             self._workers[role] = worker
+        return torch.get_num_threads(), usable_cpu_count()
 
     def call(self, request: tuple[str, str, tuple, dict, bool]):
         """Run `role.method(*args, **kwargs)`; the request travels as one argument (cheaper for Ray than five)."""

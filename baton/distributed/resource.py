@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from baton.distributed.errors import LayoutError
+from baton.distributed.errors import LayoutError, OversubscriptionWarning
 
 _SLIVER = 0.01  # resource a worker asks of its device's bundle; leaves room for time-sharing clusters
 
@@ -28,6 +29,7 @@ class Placement:
     local_rank: int
     local_world_size: int
     ray_options: dict = field(default_factory=dict, hash=False, compare=False)
+    num_cpus: float = 1.0  # the CPU share the worker may use: its default number of torch threads
 
 
 class ResourceManager:
@@ -39,6 +41,11 @@ class ResourceManager:
     nodes and need free CPUs beside the reserved slots: on a CPU-only cluster, reserve fewer
     slots than the node has CPUs.
     backend "local": a virtual layout for in-process clusters (default one node of one slot).
+
+    A worker's CPU share is its `num_cpus_per_worker` (CPU-only workers), its slots (a slot that
+    is a CPU), or `num_cpus_per_gpu` (a GPU slot). The manager refuses CPU-only workers that
+    cannot fit on a node beside its slots, and warns once when the torch threads of the worker
+    processes on a node outnumber that node's cores.
     """
 
     def __init__(
@@ -53,7 +60,12 @@ class ResourceManager:
     ):
         self.backend = backend
         self.run_name = run_name or f"baton-{uuid.uuid4().hex[:8]}"
+        self.num_cpus_per_gpu = num_cpus_per_gpu
         self._claims: dict[int, list[str]] = {}
+        self._cpu_claims: dict[str, list[tuple[int, float]]] = {}  # CPU-only cluster -> (node index, CPUs) per worker
+        self._threads: dict[str, list[tuple]] = {}  # cluster -> (node index, first device, threads, cores) per process
+        self._node_cpus: list[float] | None = None  # Ray's CPUs per node (None on the local backend: no limit)
+        self._warned_oversubscribed = False
         self._placement_groups: list = []
         if backend == "local":
             self.device_kind = "CPU"
@@ -88,7 +100,7 @@ class ResourceManager:
     ) -> list[Placement]:
         """Validate a cluster's layout, claim its devices, and say where each worker goes."""
         if num_devices_per_worker == 0:
-            return self._place_cpu_only(world_size, num_cpus_per_worker)
+            return self._place_cpu_only(cluster_name, world_size, num_cpus_per_worker)
         if self.device_kind == "GPU" and num_devices_per_worker > 1:
             # Ray would expose only the first bundle's GPU to the worker; say so instead of running on one.
             raise LayoutError(
@@ -119,7 +131,8 @@ class ResourceManager:
             devices = mapping[rank * num_devices_per_worker : (rank + 1) * num_devices_per_worker]
             node = devices[0] // self.num_devices_per_node
             placements.append(
-                Placement(node, devices, per_node[node].index(rank), len(per_node[node]), self._device_options(devices[0]))
+                Placement(node, devices, per_node[node].index(rank), len(per_node[node]), self._device_options(devices[0]),
+                          num_cpus=self._slot_cpus * (1 if self.device_kind == "GPU" else num_devices_per_worker))
             )
         return placements
 
@@ -127,6 +140,43 @@ class ResourceManager:
         for users in self._claims.values():
             while cluster_name in users:
                 users.remove(cluster_name)
+        self._cpu_claims.pop(cluster_name, None)
+        self._threads.pop(cluster_name, None)
+
+    @property
+    def _slot_cpus(self) -> float:
+        """CPUs reserved with each device slot."""
+        return self.num_cpus_per_gpu if self.device_kind == "GPU" else 1.0
+
+    def record_threads(self, cluster_name: str, processes: Sequence[tuple[Placement, int, int]]) -> None:
+        """Note a started cluster's processes as (placement, torch threads, cores of its node)."""
+        self._threads[cluster_name] = [(p.node_index, p.device_ids[:1], threads, cores) for p, threads, cores in processes]
+
+    def check_threads(self) -> None:
+        """Warn once when the processes on a node can run more torch threads at once than the node has cores.
+        Processes that share a device slot take turns on it (training and inference time-sharing), so a slot
+        counts with its busiest process."""
+        if self._warned_oversubscribed:
+            return
+        for node in sorted({n for entries in self._threads.values() for n, _, _, _ in entries}):
+            here = [(slot, threads, cores) for entries in self._threads.values()
+                    for n, slot, threads, cores in entries if n == node]
+            per_slot: dict[tuple, int] = {}
+            for slot, threads, _ in here:
+                if slot:
+                    per_slot[slot] = max(per_slot.get(slot, 0), threads)
+            num_threads = sum(per_slot.values()) + sum(threads for slot, threads, _ in here if not slot)
+            num_cores = min(cores for _, _, cores in here)
+            if num_threads > num_cores:
+                self._warned_oversubscribed = True
+                warnings.warn(
+                    f"{len(here)} worker processes on node {node} run up to {num_threads} torch threads at once "
+                    f"(processes that share a device slot counted once), but the node has {num_cores} CPU core(s): they "
+                    "compete for the cores, so steps run slower and their timings vary. Give the roles fewer threads "
+                    "(num_threads_per_worker) or fewer workers (world_size, num_reward_workers), or run on more cores",
+                    OversubscriptionWarning, stacklevel=2,
+                )
+                return
 
     def _claim(self, cluster_name: str, device_ids: Sequence[int], share_devices_with: Sequence[str]) -> None:
         for device in device_ids:
@@ -152,13 +202,31 @@ class ResourceManager:
         if dupes:
             raise LayoutError(f"{what}: device ids {dupes} appear more than once; list each device once")
 
-    def _place_cpu_only(self, world_size: int, num_cpus_per_worker: float) -> list[Placement]:
+    def _place_cpu_only(self, cluster_name: str, world_size: int, num_cpus_per_worker: float) -> list[Placement]:
         per_node = [[r for r in range(world_size) if r % self.num_nodes == n] for n in range(self.num_nodes)]
+        if self._node_cpus is not None:
+            self._check_cpus_fit(cluster_name, [len(ranks) for ranks in per_node], num_cpus_per_worker)
+        self._cpu_claims[cluster_name] = [(rank % self.num_nodes, num_cpus_per_worker) for rank in range(world_size)]
         return [
             Placement(rank % self.num_nodes, (), per_node[rank % self.num_nodes].index(rank),
-                      len(per_node[rank % self.num_nodes]), self._cpu_options(rank % self.num_nodes, num_cpus_per_worker))
+                      len(per_node[rank % self.num_nodes]), self._cpu_options(rank % self.num_nodes, num_cpus_per_worker),
+                      num_cpus=num_cpus_per_worker)
             for rank in range(world_size)
         ]
+
+    def _check_cpus_fit(self, cluster_name: str, workers_per_node: list[int], num_cpus_per_worker: float) -> None:
+        """CPU-only workers that cannot fit beside the reserved slots would wait for CPUs forever: refuse them now."""
+        for node, count in enumerate(workers_per_node):
+            reserved = self._slot_cpus * self.num_devices_per_node
+            claimed = sum(cpus for claims in self._cpu_claims.values() for n, cpus in claims if n == node)
+            if count and reserved + claimed + count * num_cpus_per_worker > self._node_cpus[node]:
+                raise LayoutError(
+                    f"cluster {cluster_name!r}: {count} CPU-only worker(s) × {num_cpus_per_worker:g} CPU do not fit on node "
+                    f"{node}: it has {self._node_cpus[node]:g} CPU(s), {reserved:g} reserved for its {self.num_devices_per_node} "
+                    f"device slot(s)" + (f" and {claimed:g} taken by other CPU-only workers" if claimed else "") + ". "
+                    "Use fewer or smaller CPU-only workers, reserve fewer device slots, or give Ray more logical CPUs than "
+                    "cores (trainer.num_cpus; the workers then share the cores)"
+                )
 
     # --- ray ---------------------------------------------------------------------------------
 
@@ -208,6 +276,8 @@ class ResourceManager:
         ranked = sorted(zip(groups, landed), key=lambda gl: order.index(gl[1]) if gl[1] in order else len(order))
         self._placement_groups = [g for g, _ in ranked]
         self._node_ids = [node for _, node in ranked]
+        cpus = {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in nodes}
+        self._node_cpus = [cpus.get(node, 0.0) for node in self._node_ids]
 
     def _device_options(self, device_id: int) -> dict:
         if self.backend != "ray":

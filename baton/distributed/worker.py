@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class WorkerContext:
     device_ids: tuple[int, ...] = ()  # global device ids (ResourceManager numbering); () for CPU-only workers
     node_index: int = 0
     backend: str = "local"  # "ray": this worker is a Ray actor and may put objects in the object store
+    num_threads: int | None = None  # torch threads of this worker's process (Ray); None: the process's own setting
 
     def env_vars(self) -> dict[str, str]:
         """The environment torch.distributed's env:// init reads."""
@@ -154,6 +156,13 @@ def node_ip_address() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
+
+
+def usable_cpu_count() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def find_free_port() -> int:
