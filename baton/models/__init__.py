@@ -1,9 +1,31 @@
 """Models and tokenizers: the shipped character tokenizer, tiny Qwen2 configs, and local HF checkpoints."""
 
-from baton.models.build import MODEL_CONFIGS, build_model, count_parameters, model_config
-from baton.models.tokenizer import CHAR_TOKENIZER_DIR, build_char_tokenizer, load_tokenizer, save_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "CHAR_TOKENIZER_DIR", "MODEL_CONFIGS", "build_char_tokenizer", "build_model", "count_parameters", "load_tokenizer",
-    "model_config", "save_tokenizer",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+# Exported name -> the module that defines it, imported on first use: a process that only needs the tokenizer
+# (the driver, a reward worker) does not pay for transformers' model code (~2 CPU-s).
+_EXPORTS = {
+    **{name: "baton.models.build" for name in ("MODEL_CONFIGS", "build_model", "count_parameters", "model_config")},
+    **{name: "baton.models.tokenizer" for name in (
+        "CHAR_TOKENIZER_DIR", "build_char_tokenizer", "load_tokenizer", "save_tokenizer")},
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from baton.models.build import MODEL_CONFIGS, build_model, count_parameters, model_config
+    from baton.models.tokenizer import CHAR_TOKENIZER_DIR, build_char_tokenizer, load_tokenizer, save_tokenizer
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'baton.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -10,13 +10,14 @@ from baton.distributed import Dispatch, Worker, register
 from baton.models import load_tokenizer
 from baton.rewards import get_reward_fn
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
-from baton.strategy.hf import HFStrategy
 from baton.workers.model import ModelWorker
 
 
 def _check_trains_one_model(worker: ModelWorker) -> None:
     """The hf strategy keeps an independent model per worker: trained on several workers, each copy would step on
     its own shard and drift apart from the others (and a weight sync sends rank 0's only)."""
+    from baton.strategy.hf import HFStrategy  # here: a reward worker's process never loads the model code
+
     if worker.world_size > 1 and isinstance(worker.strategy, HFStrategy):
         raise ValueError(
             f"{type(worker).__name__} {worker.context.cluster_name!r}: the 'hf' strategy trains one independent model per "
