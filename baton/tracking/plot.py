@@ -1,4 +1,4 @@
-"""A PNG of a run: reward, validation accuracy, KL and response length against step."""
+"""A PNG of a run: reward, validation accuracy, KL (or, with KL off, entropy) and response length against step."""
 
 from __future__ import annotations
 
@@ -6,12 +6,21 @@ import os
 
 from baton.tracking.tracker import read_metrics
 
+# Each panel is a list of (title, metric keys) choices: the first one the run logged is drawn; a panel
+# with none of them is left out (a run without KL shows entropy; an SFT-only run has neither).
 PANELS = [
-    ("reward (RL) / loss (SFT)", ["critic/score/mean", "sft/loss"]),
-    ("validation accuracy", ["val/accuracy"]),
-    ("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]),
-    ("response length", ["response_length/mean"]),
+    [("reward (RL) / loss (SFT)", ["critic/score/mean", "sft/loss"])],
+    [("validation accuracy", ["val/accuracy"])],
+    [("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]), ("policy entropy (KL off)", ["actor/entropy"])],
+    [("response length", ["response_length/mean"]), ("validation response length", ["val/response_length/mean"])],
 ]
+
+
+def choose_panels(sources: dict[str, list[dict]]) -> list[tuple[str, list[str]]]:
+    """The (title, keys) to draw for these runs' records (label → records); at least the first panel."""
+    logged = {key for records in sources.values() for record in records for key, v in record.items() if v is not None}
+    chosen = [next((c for c in choices if logged.intersection(c[1])), None) for choices in PANELS]
+    return [c for c in chosen if c is not None] or [PANELS[0][0]]
 
 
 def plot_run(run_dir: str, out_path: str | None = None) -> str:
@@ -28,8 +37,9 @@ def plot_run(run_dir: str, out_path: str | None = None) -> str:
             sources["run" if label == "." else label] = read_metrics(os.path.join(root, "metrics.jsonl"))
     if not sources:
         raise FileNotFoundError(f"no metrics.jsonl under {run_dir}; is it a baton run directory?")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 3.6))
-    for ax, (title, keys) in zip(axes, PANELS):
+    panels = choose_panels(sources)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
         for label, records in sources.items():
             for key in keys:
                 points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
