@@ -1,5 +1,7 @@
 """The `baton` command: `run` a pipeline from a YAML config (or the built-in demo), print a resolved
-`config`, or `plot` a run directory."""
+`config`, `plot` a run directory, `eval` or `generate` from a checkpoint.
+
+Imports stay inside the commands: `baton --help` must not pay for torch and Ray."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ DEFAULT_PIPELINE = "baton.pipelines.demo:DemoPipeline"
 
 def resolve(config_path: str | None, overrides: list[str]):
     """(pipeline class, typed config) from an optional YAML file and `key.sub=value` overrides."""
-    from baton.config import import_object, load_config, load_yaml
+    from baton.config import add_config_dir, import_object, load_config, load_yaml
 
     data = load_yaml(config_path) if config_path else {}
+    if config_path:
+        add_config_dir(config_path)  # before pipeline_cls is imported: it may live beside the config
     pipeline_override = [o.split("=", 1)[1] for o in overrides if o.startswith("pipeline_cls=")]
     pipeline_cls = import_object(pipeline_override[-1] if pipeline_override else data.get("pipeline_cls", DEFAULT_PIPELINE))
     return pipeline_cls, load_config(pipeline_cls.config_cls, config_path, overrides)
@@ -32,6 +36,26 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--ray-address", default=None, help="run on an existing Ray cluster (HOST:PORT) instead of a local one")
     plot = commands.add_parser("plot", help="write metrics.png for a run directory")
     plot.add_argument("run_dir")
+    checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_300/actor), a step directory "
+                       "(its actor), a run directory (its latest step), or runs/demo (its last stage)")
+    evaluate = commands.add_parser("eval", help="held-out accuracy and mean reward of a checkpoint, as its run validated it",
+                                   description="Score a checkpoint with its run's tokenizer, held-out data, reward and "
+                                   "val_sampling (from the run directory's config.yaml); prints a JSON summary.")
+    generate = commands.add_parser("generate", help="print a checkpoint's completions of prompts",
+                                   description="Sample completions with the run's val_sampling (greedy by default); "
+                                   "prints one JSON object per completion.")
+    for sub in (evaluate, generate):
+        sub.add_argument("checkpoint", help=checkpoint_help)
+        sub.add_argument("--temperature", type=float, default=None, help="default: the run's val_sampling")
+        sub.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's val_sampling")
+        sub.add_argument("--num-samples", type=int, default=None, help="samples per prompt; default: the run's val_sampling")
+    evaluate.add_argument("--data", default=None, help="a .jsonl or .parquet prompt file (the run's prompt/answer keys); "
+                          "default: the run's held-out data")
+    evaluate.add_argument("--reward", default=None, help="a reward name or import path; default: the run's reward_fn")
+    generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    generate.add_argument("--prompts-file", default=None, help="a text file with one prompt per line, or a .jsonl/.parquet "
+                          "prompt file")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     args = parser.parse_args(argv)
 
     if args.command == "plot":
@@ -39,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plot_run(args.run_dir))
         return 0
+    if args.command in ("eval", "generate"):
+        return evaluate_or_generate(args)
     # A config path that looks like an override is an override (e.g. `baton run trainer.num_steps=5`).
     if args.config is not None and "=" in args.config and not os.path.isfile(args.config):
         args.overrides.insert(0, args.config)
@@ -66,15 +92,56 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def evaluate_or_generate(args) -> int:
+    """`baton eval` / `baton generate`: in this process, no Ray."""
+    from transformers.utils import logging as hf_logging
+
+    from baton.pipelines import evaluate
+
+    hf_logging.disable_progress_bar()  # per-file "Loading weights" bars would bury the result
+    try:
+        prompts = [*args.prompt, *read_prompts(args.prompts_file)] if args.command == "generate" else []
+        if args.command == "generate" and not prompts:
+            raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+        policy = evaluate.load_policy(args.checkpoint, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                      num_samples=args.num_samples)
+        if not policy.from_run_config:
+            print(f"baton: no run config.yaml above {policy.model_dir}; using its own tokenizer (else baton's), "
+                  "the default arithmetic task, exact_match and greedy decoding", file=sys.stderr)
+        if args.command == "eval":
+            print(json.dumps(evaluate.evaluate(policy, args.data, args.reward), indent=2))
+        else:
+            for completion in evaluate.generate(policy, prompts, seed=args.seed):
+                print(json.dumps(completion))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def read_prompts(path: str | None) -> list[str]:
+    """The prompts of a .jsonl/.parquet prompt file (its "prompt" field), or the lines of a text file."""
+    if path is None:
+        return []
+    if path.endswith((".jsonl", ".parquet")):
+        from baton.datasets import PromptDataset
+
+        examples = PromptDataset.from_file(path, answer_key="prompt").examples  # no answer needed to generate
+        return [str(e["prompt"]) for e in examples]
+    with open(path) as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
 def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
     """Run the pipeline on the cluster at `ray_address` (None: the pipeline starts a local Ray); Ray is shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
+    from baton.config import ray_runtime_env
     from baton.pipelines.base import run_pipeline
 
     if ray_address:
-        ray.init(address=ray_address, logging_level="ERROR")
+        ray.init(address=ray_address, logging_level="ERROR", runtime_env=ray_runtime_env())
     try:
         return run_pipeline(pipeline_cls, config)
     finally:

@@ -11,15 +11,20 @@ from baton.config.loader import (
     load_yaml,
     to_dict,
 )
+from baton.config.paths import add_config_dir, find_file, ray_runtime_env, record_import_dirs
 
 __all__ = [
     "ConfigError",
+    "add_config_dir",
     "apply_overrides",
     "deep_merge",
     "dump_yaml",
+    "find_file",
     "from_dict",
     "import_object",
     "load_config",
     "load_yaml",
+    "ray_runtime_env",
+    "record_import_dirs",
     "to_dict",
 ]

@@ -20,6 +20,8 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
+from baton.config.paths import add_config_dir
+
 
 class ConfigError(ValueError):
     """Bad configuration from the user: an unknown key, a wrong type, a missing field, a bad file."""
@@ -270,6 +272,8 @@ def load_config(cls: type, path: str | Path | None, overrides: Sequence[str] = (
     if defaults is None and all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
                                 for f in dataclasses.fields(cls)):
         defaults = to_dict(cls())
+    if path is not None:
+        add_config_dir(path)  # import paths and data files beside the config are found (baton.config.paths)
     data = deep_merge(defaults or {}, load_yaml(path) if path is not None else {})
     return from_dict(cls, apply_overrides(data, overrides, cls))
 
