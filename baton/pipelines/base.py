@@ -16,15 +16,17 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from baton.config import dump_yaml, import_object, to_dict
+from baton.config import dump_yaml, import_object, ray_runtime_env, record_import_dirs, to_dict
 from baton.datasets import PromptSampler
 from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec, create_clusters_parallel
+from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import RoleConfig, TrainerConfig
 from baton.tracking import Tracker, plot_run
 from baton.workers.weight_sync import ModelUpdatePair
@@ -70,16 +72,21 @@ def seed_everything(seed: int) -> None:
 
 
 def start_ray(trainer: TrainerConfig) -> None:
-    """Join `trainer.ray_address`, or start a local Ray instance with an explicit CPU count."""
+    """Join `trainer.ray_address`, or start a local Ray instance with `trainer.num_cpus` logical CPUs (default: the
+    cores this process may use, so that Ray does not place more CPU-only workers than there are cores)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if ray.is_initialized():
+        running = ray.cluster_resources().get("CPU")
+        if trainer.num_cpus and trainer.num_cpus != running:
+            warnings.warn(f"trainer.num_cpus={trainer.num_cpus} is ignored: Ray is already running, with {running:g} "
+                          "CPUs (set it where Ray starts: in the demo, sft.trainer.num_cpus)", stacklevel=2)
         return
-    if trainer.ray_address:
-        ray.init(address=trainer.ray_address, logging_level="ERROR")
+    if trainer.ray_address:  # a local instance inherits PYTHONPATH; a cluster is told it (baton.config.paths)
+        ray.init(address=trainer.ray_address, logging_level="ERROR", runtime_env=ray_runtime_env())
     else:
-        ray.init(address="local", num_cpus=trainer.num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+        ray.init(address="local", num_cpus=trainer.num_cpus or usable_cpu_count(), include_dashboard=False,
                  logging_level="ERROR", log_to_driver=False)
 
 
@@ -95,6 +102,7 @@ class Pipeline:
         os.makedirs(trainer.run_dir, exist_ok=True)
         with open(os.path.join(trainer.run_dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(config))
+        record_import_dirs(trainer.run_dir)  # loading that config.yaml later finds the same modules
         if trainer.backend == "ray":
             start_ray(trainer)
         # Reserve only the device slots the roles use (on a CPU-only machine every slot is a CPU that the
@@ -111,19 +119,29 @@ class Pipeline:
         self.timings: dict[str, float] = {}
         self.global_step = 0
         self.last_saved_step: int | None = None
+        self.resumed_from_step: int | None = None
+        self.first_val: dict[str, float] | None = None  # validation before the first step, kept across resumes
         self.sampler: PromptSampler | None = None  # the training data position, saved with checkpoints
 
     # --- building -----------------------------------------------------------------------------
 
-    def create_clusters(self, roles: dict[str, tuple[type, RoleConfig, tuple]]) -> dict[str, Cluster]:
-        """Build several role clusters at once: name → (default worker class, role config, constructor args)."""
-        requests = []
-        for name, (default_cls, role, args) in roles.items():
-            cls = import_object(role.worker_cls) if role.worker_cls else default_cls
-            requests.append((WorkerSpec(cls, args), role.worker_config(name)))
-        clusters = create_clusters_parallel(requests, self.manager)
-        self.clusters.update(zip(roles, clusters))
-        return dict(zip(roles, clusters))
+    def create_clusters(self, roles: dict[str, tuple[type, RoleConfig, tuple]],
+                        fused: dict[str, list[str]] | None = None) -> dict[str, Cluster]:
+        """Build several role clusters at once, their processes starting together: name → (default worker class,
+        role config, constructor args). fused: group name → roles that share one process per slot, laid out by
+        the first role's config (e.g. {"policy": ["actor", "rollout"]})."""
+        fused = fused or {}
+        specs = {name: WorkerSpec(import_object(role.worker_cls) if role.worker_cls else cls, args)
+                 for name, (cls, role, args) in roles.items()}
+        requests = [({m: specs[m] for m in members}, roles[members[0]][1].worker_config(group))
+                    for group, members in fused.items()]
+        fused_roles = {m for members in fused.values() for m in members}
+        requests += [(specs[name], roles[name][1].worker_config(name)) for name in roles if name not in fused_roles]
+        clusters = {}
+        for made in create_clusters_parallel(requests, self.manager):
+            clusters.update(made if isinstance(made, dict) else {made.name: made})
+        self.clusters.update(clusters)
+        return clusters
 
     # --- timing and logging -------------------------------------------------------------------
 
@@ -139,12 +157,14 @@ class Pipeline:
     def pipeline_state(self) -> dict:
         """What besides the clusters a resume needs: step, data position, RNG states."""
         rollout = self.clusters.get("rollout")
-        return {"global_step": self.global_step, "sampler": self.sampler.state_dict() if self.sampler else None,
+        return {"global_step": self.global_step, "first_val": self.first_val,
+                "sampler": self.sampler.state_dict() if self.sampler else None,
                 "rollout_sampling": rollout.sampling_state() if rollout is not None else None,
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
 
     def load_pipeline_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
+        self.first_val = state.get("first_val")  # absent in checkpoints written before it was kept
         if self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
         if state.get("rollout_sampling") is not None:
@@ -186,6 +206,8 @@ class Pipeline:
         self.load_pipeline_state(torch.load(os.path.join(resume, "pipeline_state.pt"), weights_only=False))
         for pair in self.update_pairs:
             pair.sync()
+        self.resumed_from_step = self.global_step
+        print(f"baton: resumed from step {self.global_step} of {self.trainer.num_steps} ({resume})", file=sys.stderr)
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -200,6 +222,7 @@ class Pipeline:
                 self.global_step, self.timings = step, {}
                 yield step
                 if interrupted.is_set() and step < trainer.num_steps:  # at the last step: just finish
+                    self.bar.update(step - self.bar.n)  # tqdm counts a step when the next one starts: show this one
                     self.bar.close()
                     self.tracker.close()
                     if self.last_saved_step != step:
@@ -219,9 +242,19 @@ class Pipeline:
         if step % trainer.save_every_steps == 0 or last:
             self.do_checkpoint(step)
 
+    def first_validation(self) -> dict[str, float] | None:
+        """Validate before the first step and log it as step 0 (if `val_before_train`); a resumed run returns
+        the original run's, so that its summary still has a start accuracy."""
+        if self.global_step == 0 and self.trainer.val_before_train:
+            self.first_val = self.validate()
+            if self.first_val:
+                self.tracker.log(self.first_val, step=0)
+        return self.first_val
+
     def summary(self, start: float, first_val: dict | None, metrics: dict[str, float], **extra) -> dict:
-        return {"wall_s": time.perf_counter() - start, "num_steps": self.trainer.num_steps,
-                "start_val_accuracy": first_val["val/accuracy"] if first_val else None,
+        resumed = {"resumed_from_step": self.resumed_from_step} if self.resumed_from_step is not None else {}
+        return {"wall_s": time.perf_counter() - start, "num_steps": self.trainer.num_steps, **resumed,
+                "start_val_accuracy": first_val.get("val/accuracy") if first_val else None,
                 "final_val_accuracy": metrics.get("val/accuracy"), **extra}
 
     def validate(self) -> dict[str, float]:

@@ -6,9 +6,11 @@ Batch knobs carry their unit: `num_prompts_per_step`, `num_samples_per_prompt`,
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 
-from baton.config import ConfigError
+from baton.config import ConfigError, find_file
 from baton.distributed import WorkerConfig
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 
@@ -26,6 +28,9 @@ class RoleConfig:
     device_mapping: list[int] | None = None
     num_devices_per_worker: int = 1  # 0: a CPU-only worker, placed outside the device slots
     num_cpus_per_worker: float = 1.0  # CPU-only workers
+    # torch threads per worker process; None: its CPU share (num_cpus_per_worker, or 1 per CPU device slot). On
+    # the local backend every worker shares the driver's threads and this is ignored (with a warning).
+    num_threads_per_worker: int | None = None
     worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
 
     def worker_config(self, name: str) -> WorkerConfig:
@@ -33,8 +38,16 @@ class RoleConfig:
         Model roles may be given the same devices: they time-share them (offloading between turns)."""
         world_size = self.world_size if self.world_size or self.device_mapping else 1
         return WorkerConfig(name, world_size=world_size, device_mapping=self.device_mapping,
-                            num_devices_per_worker=self.num_devices_per_worker,
-                            num_cpus_per_worker=self.num_cpus_per_worker, share_devices_with=MODEL_ROLES)
+                            num_devices_per_worker=self.num_devices_per_worker, num_cpus_per_worker=self.num_cpus_per_worker,
+                            num_threads_per_worker=self.num_threads_per_worker, share_devices_with=MODEL_ROLES)
+
+    def with_run_schedule(self, num_updates: int) -> "RoleConfig":
+        """This role, its decaying lr schedule spanning `num_updates` optimizer steps when it sets no total_steps."""
+        scheduler = self.strategy.scheduler
+        if scheduler.name == "constant" or scheduler.total_steps is not None:
+            return self
+        scheduler = dataclasses.replace(scheduler, total_steps=num_updates)
+        return dataclasses.replace(self, strategy=dataclasses.replace(self.strategy, scheduler=scheduler))
 
     def num_workers(self, name: str) -> int:
         """Workers in cluster `name` of this role; a layout that contradicts itself raises LayoutError with the fix."""
@@ -49,10 +62,12 @@ class DataConfig:
     train_path: str | None = None
     val_path: str | None = None
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str = "answer"  # the ground truth the reward checks
+    response_key: str | None = None  # the field SFT trains on; None: `sft_response_key`
     max_operand: int = 30
     ops: str = "+"
     num_val_examples: int = 200
+    teacher_error: float = 0.0  # arithmetic: the share of the teacher's demonstrations of a carry that drop it
     max_prompt_len: int = 64
     seed: int = 0
 
@@ -61,6 +76,14 @@ class DataConfig:
             raise ValueError(f"data.task {self.task!r} is not one of 'arithmetic', 'files'")
         if self.task == "files" and not self.train_path:
             raise ValueError("data.task 'files' needs data.train_path (a .jsonl or .parquet file)")
+        # Found files are kept as absolute paths, so the run directory's config.yaml works from anywhere.
+        self.train_path, self.val_path = _absolute_if_found(self.train_path), _absolute_if_found(self.val_path)
+
+    @property
+    def sft_response_key(self) -> str:
+        """The field SFT trains on: `response_key`; unset, the arithmetic task's teacher demonstrations
+        (`teacher_answers`, the answer itself when teacher_error is 0) or the files' `answer_key`."""
+        return self.response_key or ("teacher_answers" if self.task == "arithmetic" else self.answer_key)
 
 
 @dataclass
@@ -116,7 +139,7 @@ class TrainerConfig:
     tracker: list[str] = field(default_factory=lambda: ["jsonl"])
     backend: str = "ray"  # "ray" or "local" (everything in the driver's process)
     ray_address: str | None = None
-    num_cpus: int | None = None  # logical CPUs of a local Ray instance; default: max(4, this machine's)
+    num_cpus: int | None = None  # logical CPUs of a local Ray instance; default: the cores this process may use
     num_devices_per_node: int | None = None
     num_nodes: int | None = None
     progress_bar: bool = True
@@ -146,6 +169,13 @@ class RLVRConfig:
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def with_run_schedules(self) -> "RLVRConfig":
+        """This config, with each decaying lr schedule that sets no total_steps spanning the run's optimizer steps."""
+        algo = self.algorithm
+        updates = self.trainer.num_steps * algo.num_ppo_epochs * algo.num_mini_batches_per_step
+        return dataclasses.replace(self, actor=self.actor.with_run_schedule(updates),
+                                   critic=self.critic.with_run_schedule(updates) if self.critic else None)
 
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
@@ -185,6 +215,10 @@ class RLVRConfig:
                 self.actor.world_size, self.actor.device_mapping):
             raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, so rollout.world_size "
                               "and rollout.device_mapping must equal the actor's (or leave them unset)")
+        if self.colocate_actor_rollout and self.rollout.num_threads_per_worker not in (
+                None, self.actor.num_threads_per_worker):
+            raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run "
+                              "actor.num_threads_per_worker threads: set it there and leave rollout's unset")
         _check_reward_fn("reward_fn", self.reward_fn)
 
 
@@ -199,6 +233,10 @@ class SFTConfig:
     reward_fn: str = "exact_match"
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))
 
+    def with_run_schedules(self) -> "SFTConfig":
+        """This config, with a decaying lr schedule that sets no total_steps spanning the run (one update per step)."""
+        return dataclasses.replace(self, actor=self.actor.with_run_schedule(self.trainer.num_steps))
+
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         _check_data(self.data)
@@ -207,6 +245,14 @@ class SFTConfig:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
                               f"over the {workers} actor workers; make it a multiple of {workers}")
         _check_reward_fn("reward_fn", self.reward_fn)
+
+
+def _absolute_if_found(path: str | None) -> str | None:
+    """`path` made absolute where `find_file` finds it (the working directory, else the config's); else as given."""
+    try:
+        return os.path.abspath(find_file(path)) if path else path
+    except FileNotFoundError:
+        return path  # reported when the data is loaded
 
 
 def _check_data(data: DataConfig | None) -> None:

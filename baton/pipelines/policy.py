@@ -6,37 +6,36 @@ import numpy as np
 
 from baton.data import DataProto
 from baton.datasets import PromptDataset, collate_prompts
-from baton.distributed import WorkerSpec, create_colocated_clusters
 from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
 
-def build_policy(pipeline, actor: RoleConfig, rollout: RoleConfig, colocate: bool, probe_data: PromptDataset | None,
-                 tokenizer):
-    """(actor cluster, rollout cluster, their ModelUpdatePair), synced once so both start from the actor's weights.
+# `Pipeline.create_clusters(..., fused=FUSED_POLICY)`: actor and rollout in one process per device.
+FUSED_POLICY = {"policy": ["actor", "rollout"]}
 
-    colocate: both roles in one process per device; when both use the `hf` strategy the sync
-    shares tensors instead of copying them.
+
+def policy_roles(actor: RoleConfig, rollout: RoleConfig) -> dict[str, tuple]:
+    """The actor and rollout entries of `Pipeline.create_clusters` (with the pipeline's other roles, so that
+    all their processes start together)."""
+    return {"actor": (ActorWorker, actor, (actor.strategy,)), "rollout": (RolloutWorker, rollout, (rollout.strategy,))}
+
+
+def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, colocated: bool,
+                   probe_data: PromptDataset | None, tokenizer) -> ModelUpdatePair:
+    """The actor → rollout ModelUpdatePair, synced once so both start from the actor's weights.
+
+    colocated (built with FUSED_POLICY): when both roles use the `hf` strategy the sync shares
+    tensors instead of copying them.
     """
     probe = None
     if probe_data is not None and len(probe_data):
         examples = [probe_data[i] for i in range(min(4, len(probe_data)))]
         probe = probe_batch(tokenizer, [str(e[probe_data.prompt_key]) + str(e[probe_data.answer_key]) for e in examples], 1)
-    if colocate:
-        views = create_colocated_clusters(
-            {"actor": WorkerSpec(ActorWorker, (actor.strategy,)), "rollout": WorkerSpec(RolloutWorker, (rollout.strategy,))},
-            actor.worker_config("policy"), pipeline.manager,
-        )
-        pipeline.clusters.update(views)
-        both_hf = actor.strategy.name == rollout.strategy.name == "hf"
-        pair = ModelUpdatePair(views["actor"], views["rollout"], probe, share_role="actor" if both_hf else None)
-    else:
-        clusters = pipeline.create_clusters({"actor": (ActorWorker, actor, (actor.strategy,)),
-                                             "rollout": (RolloutWorker, rollout, (rollout.strategy,))})
-        pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe)
+    share = colocated and actor.strategy.name == rollout.strategy.name == "hf"
+    pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe, share_role="actor" if share else None)
     pair.sync()
-    return pair.src, pair.dst, pair
+    return pair
 
 
 def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: SamplingConfig, max_prompt_len: int) -> dict:

@@ -6,18 +6,20 @@ validate → checkpoint. Copy `run()` to make a new algorithm.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 from baton.algorithms import apply_kl_penalty, compute_advantages, loss_unit
 from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
-from baton.pipelines.config import RLVRConfig
+from baton.pipelines.config import GROUP_ESTIMATORS, RLVRConfig
 from baton.pipelines.data import load_datasets
 from baton.pipelines.losses import PolicyLoss, ValueLoss
-from baton.pipelines.policy import build_policy, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
 from baton.workers import CriticWorker, ReferenceWorker, RewardWorker
 
 
@@ -25,26 +27,29 @@ class RLVRPipeline(Pipeline):
     config_cls = RLVRConfig
 
     def __init__(self, config: RLVRConfig):
+        config = config.with_run_schedules()
         super().__init__(config, config.trainer)
         algo = config.algorithm
         self.train_data, self.val_data, self.tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
-        self.actor, self.rollout, pair = build_policy(self, config.actor, config.rollout, config.colocate_actor_rollout,
-                                                      self.val_data, self.tokenizer)
-        roles = {"reward": (RewardWorker, _cpu_role(config.num_reward_workers), (config.reward_fn, config.actor.strategy.tokenizer))}
+        roles = {**policy_roles(config.actor, config.rollout),
+                 "reward": (RewardWorker, _cpu_role(config.num_reward_workers), (config.reward_fn, config.actor.strategy.tokenizer))}
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
         if algo.adv_estimator == "gae":
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
-        clusters = self.create_clusters(roles)
-        self.reward, self.reference, self.critic = clusters["reward"], clusters.get("reference"), clusters.get("critic")
-        self.update_pairs = [pair]
+        clusters = self.create_clusters(roles, fused=FUSED_POLICY if config.colocate_actor_rollout else None)
+        self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
+        self.reference, self.critic = clusters.get("reference"), clusters.get("critic")
+        self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
+                                            self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
         self.policy_loss = PolicyLoss(algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, algo.loss_agg_mode,
                                       algo.entropy_coeff, algo.kl_loss_coef if algo.use_kl_loss else 0.0,
                                       algo.kl_loss_estimator)
         self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode)
+        self.signal_watch = SignalWatch(algo.adv_estimator) if algo.adv_estimator in GROUP_ESTIMATORS else None
         # One update per batch is on-policy: the loss detaches the current log-probs instead (as TRL does).
         # Several epochs or mini-batches move the weights between updates, and the KL reward penalty
         # needs the log-probs before the update.
@@ -86,10 +91,7 @@ class RLVRPipeline(Pipeline):
         trainer = self.config.trainer
         tracker = self.make_tracker()
         start = time.perf_counter()
-        first_val = None
-        if trainer.val_before_train and self.global_step == 0:
-            first_val = self.validate()
-            tracker.log(first_val, step=0)
+        first_val = self.first_validation()
         metrics: dict[str, float] = {}
         for step in self.training_steps("rlvr"):
             with self.timer("step"):
@@ -118,6 +120,8 @@ class RLVRPipeline(Pipeline):
                         self.update_pairs[0].sync()
             metrics = {**self.rollout_metrics(batch), **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
+            if self.signal_watch is not None:
+                self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
             self.end_step(step, metrics, "reward", "critic/score/mean")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
@@ -126,17 +130,59 @@ class RLVRPipeline(Pipeline):
         data = batch.batch
         lengths = data["response_mask"].sum(-1).float()
         step_s = self.timings.get("timing_s/step", float("nan"))
-        return {
+        metrics = {
             "critic/score/mean": float(data["scores"].mean()), "critic/score/max": float(data["scores"].max()),
             "critic/advantages/mean": float(data["advantages"][data["response_mask"].bool()].mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response/stop_ratio": float(np.mean(batch.non_tensor_batch["finish_reason"] == "stop")),
             "perf/throughput": float(data["attention_mask"].sum()) / step_s,
         }
+        if self.signal_watch is not None:  # group estimators: the share of groups that teach nothing
+            scores, uids = data["scores"].numpy(), batch.non_tensor_batch["uid"]
+            metrics["critic/frac_reward_zero_std"] = zero_std_group_fraction(scores, uids)
+        return metrics
 
     def validate(self) -> dict[str, float]:
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
+
+
+def zero_std_group_fraction(scores: np.ndarray, uids: np.ndarray) -> float:
+    """The share of prompt groups (rows with one uid) whose samples all got the same reward; TRL logs it as
+    `frac_reward_zero_std`. For a group estimator such a group's advantages are zero: it teaches nothing."""
+    _, group = np.unique(uids, return_inverse=True)
+    low, high = np.full(group.max() + 1, np.inf), np.full(group.max() + 1, -np.inf)
+    np.minimum.at(low, group, scores)
+    np.maximum.at(high, group, scores)
+    return float(np.mean(np.isclose(low, high)))
+
+
+class SignalWatch:
+    """Says so above the progress bar when more than `threshold` of the prompt groups have had zero reward
+    variance in each of `patience` steps in a row (no learning signal), then keeps quiet for `quiet_steps` steps."""
+
+    def __init__(self, estimator: str, threshold: float = 0.9, patience: int = 5, quiet_steps: int = 50):
+        self.estimator, self.threshold, self.patience, self.quiet_steps = estimator, threshold, patience, quiet_steps
+        self.num_steps_without_signal = 0
+        self.last_warning_step: int | None = None
+
+    def update(self, step: int, zero_std_frac: float, mean_reward: float) -> str | None:
+        """Take one step's `critic/frac_reward_zero_std` and mean reward; returns the warning when one is written."""
+        self.num_steps_without_signal = self.num_steps_without_signal + 1 if zero_std_frac > self.threshold else 0
+        if self.num_steps_without_signal < self.patience or (
+                self.last_warning_step is not None and step - self.last_warning_step < self.quiet_steps):
+            return None
+        self.last_warning_step = step
+        message = (
+            f"baton: warning: step {step}: in each of the last {self.num_steps_without_signal} steps, over "
+            f"{self.threshold:.0%} of the prompt groups gave all their samples the same reward (this step "
+            f"{zero_std_frac:.0%}, mean reward {mean_reward:.3f}), so their {self.estimator} advantages are zero and "
+            "the policy learns nothing from them. What usually helps: more SFT, or a learning-rate warm-up "
+            "(actor.strategy.scheduler), so that some samples succeed; a higher sampling.temperature; more "
+            "sampling.num_samples_per_prompt; a reward with partial credit; easier prompts (harder ones if every "
+            "sample already succeeds).")
+        tqdm.write(message, file=sys.stderr)
+        return message
 
 
 def _cpu_role(world_size: int):
@@ -150,4 +196,4 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {(k if "/" in k else prefix + k): v for k, v in metrics.items()}
 
 
-__all__ = ["RLVRPipeline"]
+__all__ = ["RLVRPipeline", "SignalWatch", "zero_std_group_fraction"]

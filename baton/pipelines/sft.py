@@ -10,7 +10,7 @@ from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RoleConfig, SFTConfig
 from baton.pipelines.data import load_datasets
 from baton.pipelines.losses import SFTLoss
-from baton.pipelines.policy import build_policy, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
 from baton.workers import RewardWorker
 
 
@@ -18,17 +18,21 @@ class SFTPipeline(Pipeline):
     config_cls = SFTConfig
 
     def __init__(self, config: SFTConfig):
+        config = config.with_run_schedules()
         super().__init__(config, config.trainer)
         self.train_data, self.val_data, self.tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
+        self.train_data = self.train_data.one_response_per_row(config.data.sft_response_key)
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         # Validation generates with an hf rollout that shares (or receives) the actor's weights.
         rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
                              device_mapping=(config.actor.device_mapping or [0])[:1])
-        self.actor, self.rollout, pair = build_policy(self, config.actor, rollout, config.actor.strategy.name == "hf",
-                                                      self.val_data, self.tokenizer)
-        self.reward = self.create_clusters({"reward": (RewardWorker, RoleConfig(world_size=1, num_devices_per_worker=0),
-                                                       (config.reward_fn, config.actor.strategy.tokenizer))})["reward"]
-        self.update_pairs = [pair]
+        colocate = config.actor.strategy.name == "hf"
+        reward = RoleConfig(world_size=1, num_devices_per_worker=0)
+        clusters = self.create_clusters({**policy_roles(config.actor, rollout),
+                                         "reward": (RewardWorker, reward, (config.reward_fn, config.actor.strategy.tokenizer))},
+                                        fused=FUSED_POLICY if colocate else None)
+        self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
+        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]
         self.loss = SFTLoss()
         self.maybe_resume()
@@ -42,14 +46,12 @@ class SFTPipeline(Pipeline):
         trainer = self.config.trainer
         tracker = self.make_tracker()
         start = time.perf_counter()
-        first_val = self.validate() if trainer.val_before_train and self.global_step == 0 else None
-        if first_val:
-            tracker.log(first_val, step=0)
+        first_val = self.first_validation()
         metrics: dict[str, float] = {}
         for step in self.training_steps("sft"):
             with self.timer("step"):
                 batch = collate_sft(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
-                                    self.config.data.max_prompt_len)
+                                    self.config.data.max_prompt_len, self.config.data.sft_response_key)
                 per_rank = self.actor.train_step(batch, self.loss, "token")
             metrics = {"sft/loss": per_rank[0]["loss"], "actor/grad_norm": per_rank[0]["grad_norm"],
                        "actor/lr": per_rank[0]["lr"], **self.timings}

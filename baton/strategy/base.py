@@ -46,7 +46,7 @@ class SchedulerConfig:
 
     name: str = "constant"
     warmup_steps: int = 0
-    total_steps: int | None = None  # needed by linear and cosine
+    total_steps: int | None = None  # linear and cosine decay over this many updates; the pipelines' default: the whole run
     min_lr_ratio: float = 0.0
 
 
