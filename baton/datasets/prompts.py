@@ -47,6 +47,15 @@ class PromptDataset:
             raise ValueError(f"{path}: prompt files must end in .jsonl or .parquet")
         return cls(examples, prompt_key, answer_key)
 
+    def one_response_per_row(self, key: str) -> "PromptDataset":
+        """Field `key` may hold a list of responses to one prompt (several demonstrations): a dataset with
+        one row per response, the list replaced by that response. Rows holding a single value stay as they are."""
+        if not any(isinstance(e.get(key), (list, tuple)) for e in self.examples):
+            return self
+        rows = [{**e, key: r} for e in self.examples
+                for r in (e[key] if isinstance(e.get(key), (list, tuple)) else [e.get(key)])]
+        return PromptDataset(rows, self.prompt_key, self.answer_key)
+
     def __len__(self) -> int:
         return len(self.examples)
 
@@ -118,11 +127,18 @@ def collate_prompts(dataset: PromptDataset, indices: Sequence[int], tokenizer, m
     return DataProto.from_dict({"input_ids": input_ids.long(), "attention_mask": attention_mask.long()}, non_tensors)
 
 
-def collate_sft(dataset: PromptDataset, indices: Sequence[int], tokenizer, max_prompt_len: int | None = None) -> DataProto:
-    """Supervised pairs in the generate() layout: prompts left-padded, then `responses` = answer + eos
-    right-padded, with `response_mask` on the answer and eos (what the SFT loss covers)."""
+def collate_sft(dataset: PromptDataset, indices: Sequence[int], tokenizer, max_prompt_len: int | None = None,
+                response_key: str | None = None) -> DataProto:
+    """Supervised pairs in the generate() layout: prompts left-padded, then `responses` = the
+    `response_key` field (default: the answer) + eos right-padded, with `response_mask` on it and
+    the eos (what the SFT loss covers)."""
     prompts = collate_prompts(dataset, indices, tokenizer, max_prompt_len)
-    answers = [tokenizer(str(dataset[i][dataset.answer_key]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    key = response_key or dataset.answer_key
+    missing = [i for i in indices if key not in dataset[i]]
+    if missing:
+        raise ValueError(f"example {missing[0]} has no {key!r} field to train on (fields: {sorted(dataset[missing[0]])}); "
+                         "set data.response_key to the field holding the target response")
+    answers = [tokenizer(str(dataset[i][key]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                for i in indices]
     response_len = max(len(a) for a in answers)
     responses = torch.full((len(answers), response_len), tokenizer.pad_token_id, dtype=torch.long)
