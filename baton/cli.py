@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--ray-address", default=None, help="run on an existing Ray cluster (HOST:PORT) instead of a local one")
     plot = commands.add_parser("plot", help="write metrics.png for a run directory")
     plot.add_argument("run_dir")
-    checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_300/actor), a step directory "
+    checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_200/actor), a step directory "
                        "(its actor), a run directory (its latest step), or runs/demo (its last stage)")
     evaluate = commands.add_parser("eval", help="held-out accuracy and mean reward of a checkpoint, as its run validated it",
                                    description="Score a checkpoint with its run's tokenizer, held-out data, reward and "
