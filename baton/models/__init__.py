@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from baton._lazy import lazy_exports
 
 # Exported name -> the module that defines it, imported on first use: a process that only needs the tokenizer
 # (the driver, a reward worker) does not pay for transformers' model code (~2 CPU-s).
@@ -19,13 +20,4 @@ if TYPE_CHECKING:
     from baton.models.tokenizer import CHAR_TOKENIZER_DIR, build_char_tokenizer, load_tokenizer, save_tokenizer
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'baton.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
