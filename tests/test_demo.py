@@ -49,6 +49,8 @@ def test_sft_trains_on_each_response_of_a_list_as_its_own_row():
     rows = data.one_response_per_row("demos")
     assert [(e["prompt"], e["demos"]) for e in rows.examples] == [("1+1=", "2"), ("1+1=", "3"), ("2+2=", "4")]
     assert data.one_response_per_row("answer") is data
+    sparse = PromptDataset([{"prompt": "1+1=", "answer": "2", "demos": ["2"]}, {"prompt": "2+2=", "answer": "4"}])
+    assert [e.get("demos", "-") for e in sparse.one_response_per_row("demos").examples] == ["2", "-"]  # no None made up
     tokenizer = load_tokenizer()
     batch = collate_sft(rows, [1], tokenizer, response_key="demos")
     assert tokenizer.decode(batch.batch["responses"][0], skip_special_tokens=True) == "3"

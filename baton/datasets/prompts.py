@@ -50,11 +50,13 @@ class PromptDataset:
     def one_response_per_row(self, key: str) -> "PromptDataset":
         """Field `key` may hold a list of responses to one prompt (several demonstrations): a dataset with
         one row per response, the list replaced by that response. Rows holding a single value stay as they are."""
+        def rows(example: dict[str, Any]) -> list[dict[str, Any]]:
+            value = example.get(key)
+            return [{**example, key: r} for r in value] if isinstance(value, (list, tuple)) else [example]
+
         if not any(isinstance(e.get(key), (list, tuple)) for e in self.examples):
             return self
-        rows = [{**e, key: r} for e in self.examples
-                for r in (e[key] if isinstance(e.get(key), (list, tuple)) else [e.get(key)])]
-        return PromptDataset(rows, self.prompt_key, self.answer_key)
+        return PromptDataset([row for example in self.examples for row in rows(example)], self.prompt_key, self.answer_key)
 
     def __len__(self) -> int:
         return len(self.examples)
