@@ -23,6 +23,7 @@ from common import finish, parser as common_parser
 
 QUICK = ["sft.trainer.num_steps=60", "sft.trainer.val_every_steps=30", "rlvr.trainer.num_steps=20",
          "rlvr.trainer.val_every_steps=10"]
+RUN_TIMEOUT_S = 1800  # one demo run; the target is 600 s, so this only catches a hung run
 TARGETS = {"min_lift_points": 15.0, "median_lift_points": 20.0, "max_wall_s": 600.0}
 
 
@@ -38,7 +39,11 @@ def run_seed(seed: int, run_dir: str, overrides: list[str]) -> dict:
     """One `baton run` of the demo; its summary, wall time and the per-validation accuracies of both stages."""
     command = [sys.executable, "-m", "baton.cli", "run", f"seed={seed}", f"run_dir={run_dir}", *overrides]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"seed {seed}: `{' '.join(command)}` did not finish in {RUN_TIMEOUT_S} s "
+                           f"(the demo's target is {TARGETS['max_wall_s']:.0f} s); see {run_dir}") from None
     wall_s = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"seed {seed}: `{' '.join(command)}` exited {done.returncode}:\n{done.stderr[-3000:]}")
