@@ -8,7 +8,7 @@ import torch
 from baton.data import DataProto
 from baton.distributed import Dispatch, Worker, register
 from baton.models import load_tokenizer
-from baton.rewards import get_reward_fn
+from baton.rewards import REWARD_ON_ERROR, get_reward_fn, score_rows
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
 from baton.workers.model import ModelWorker
 
@@ -86,26 +86,34 @@ class RewardWorker(Worker):
 
     Reads `responses`, `response_mask` and the non-tensor `ground_truth` column; every other
     non-tensor column is passed to the function as a keyword argument.
+
+    on_error: a row the function raises on stops the run with a RewardError naming the function and the row
+    ("raise"), or scores 0 ("zero"); `compute_rewards` counts those rows in meta_info["metrics"]["reward/num_errors"].
+    A function that returns a non-number (None, a string, nan) raises RewardError either way.
     """
 
-    def __init__(self, reward_fn: str, tokenizer: str | None = None):
+    def __init__(self, reward_fn: str, tokenizer: str | None = None, on_error: str = "raise"):
+        if on_error not in REWARD_ON_ERROR:
+            raise ValueError(f"on_error {on_error!r} is not one of {REWARD_ON_ERROR}")
+        self.reward_name, self.on_error = reward_fn, on_error
         self.reward_fn = get_reward_fn(reward_fn)
         self.tokenizer = load_tokenizer(tokenizer)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
-        """`scores` [rows] and `token_level_scores` [rows, response_len] (the score on the last response token)."""
+        """`scores` [rows] and `token_level_scores` [rows, response_len] (the score on the last response token),
+        non-tensor `response_text`, and meta_info["metrics"]["reward/num_errors"] (rows scored 0 by on_error "zero")."""
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        fields = {k: v for k, v in batch.non_tensor_batch.items() if k != "ground_truth"}
         if "ground_truth" not in batch.non_tensor_batch:
             raise ValueError(f"compute_rewards needs a non-tensor 'ground_truth' column; got {sorted(batch.non_tensor_batch)}")
-        scores = torch.tensor([
-            float(self.reward_fn(text, truth, **{k: v[row] for k, v in fields.items()}))
-            for row, (text, truth) in enumerate(zip(texts, batch.non_tensor_batch["ground_truth"]))
-        ], dtype=torch.float32)
+        fields = {k: v for k, v in batch.non_tensor_batch.items() if k != "ground_truth"}
+        values, num_errors = score_rows(self.reward_fn, self.reward_name, texts, batch.non_tensor_batch["ground_truth"],
+                                        fields, self.on_error)
+        scores = torch.tensor(values, dtype=torch.float32)
         token_level = torch.zeros(mask.shape, dtype=torch.float32)
         last = (mask.sum(-1) - 1).clamp(min=0)
         token_level[torch.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
         return DataProto.from_dict({"scores": scores, "token_level_scores": token_level},
-                                   {"response_text": np.array(texts, dtype=object)})
+                                   {"response_text": np.array(texts, dtype=object)},
+                                   meta_info={"metrics": {"reward/num_errors": num_errors}})
