@@ -52,4 +52,5 @@ def arithmetic_splits(max_operand: int = 99, ops: str = "+", num_val: int = 200,
         slip = str(drop_carry(a, b)) if op == "+" else answer
         teacher = [slip] * num_slips + [answer] * (num_answers - num_slips)
         examples.append({"prompt": f"{a}{op}{b}=", "answer": answer, "teacher_answers": teacher})
-    return PromptDataset(examples[num_val:]), PromptDataset(examples[:num_val])
+    return (PromptDataset(examples[num_val:], source="the arithmetic task's train split"),
+            PromptDataset(examples[:num_val], source="the arithmetic task's held-out split"))

@@ -1,4 +1,4 @@
-"""The pipelines' prompt data, from the data config."""
+"""The pipelines' prompt data, from the data config, checked when loaded."""
 
 from __future__ import annotations
 
@@ -9,14 +9,25 @@ from baton.pipelines.config import DataConfig
 
 
 def load_datasets(config: DataConfig, tokenizer_path: str | None):
-    """(train, val, tokenizer): the arithmetic task's fixed split, or the configured files."""
+    """(train, val, tokenizer): the arithmetic task's fixed split, or the configured files.
+
+    Every row is checked here (see `PromptDataset`), and every prompt's length in tokens against
+    `data.max_prompt_len` (`data.overlong_prompts`); bad data raises DataError naming the file and row.
+    """
     tokenizer = load_tokenizer(tokenizer_path)
     if config.task == "arithmetic":
         train, val = arithmetic_splits(config.max_operand, config.ops, config.num_val_examples, config.seed,
                                        config.teacher_error)
+        train, val = (data.check_prompt_lengths(tokenizer, config.max_prompt_len, config.overlong_prompts)
+                      for data in (train, val))
     else:
-        # A relative path not found in the working directory is read from the config file's directory.
-        train = PromptDataset.from_file(find_file(config.train_path), config.prompt_key, config.answer_key)
-        val = (PromptDataset.from_file(find_file(config.val_path), config.prompt_key, config.answer_key)
-               if config.val_path else None)
+        train = load_prompt_file(config, config.train_path, tokenizer)
+        val = load_prompt_file(config, config.val_path, tokenizer) if config.val_path else None
     return train, val, tokenizer
+
+
+def load_prompt_file(config: DataConfig, path: str, tokenizer) -> PromptDataset:
+    """The prompt file `path` with `config`'s keys, checked, its over-long prompts handled by `data.overlong_prompts`.
+    A relative path not found in the working directory is read from the config file's directory."""
+    dataset = PromptDataset.from_file(find_file(path), config.prompt_key, config.answer_key, config.response_key)
+    return dataset.check_prompt_lengths(tokenizer, config.max_prompt_len, config.overlong_prompts)
