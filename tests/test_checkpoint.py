@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from baton.data import DataProto
 from baton.strategy import OptimizerConfig, SamplingParams, SchedulerConfig, StrategyConfig, create_strategy
+from baton.strategy import hf
 
 PROMPTS = ["1+1=", "12+30=", "7*8="]
 SCHEDULER = SchedulerConfig(name="linear", warmup_steps=2, total_steps=10)  # so the scheduler's state matters
@@ -125,15 +126,15 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, batch, monkey
     saved = params(strategy)
     strategy.train_step(batch, pg_loss)
 
-    real_save, calls = torch.save, []
+    real_save, calls = hf.save_state, []
 
-    def failing_save(obj, f, *args, **kwargs):  # the model files are written; the second state file fails
-        calls.append(f)
+    def failing_save(path, obj):  # the model files are written; the second state file fails
+        calls.append(path)
         if len(calls) == 2:
             raise OSError("disk full")
-        return real_save(obj, f, *args, **kwargs)
+        return real_save(path, obj)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(hf, "save_state", failing_save)
     with pytest.raises(OSError, match="disk full"):
         strategy.save_checkpoint(path, overwrite=True)
     monkeypatch.undo()

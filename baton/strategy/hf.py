@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from baton.checkpoint import has_state, load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
@@ -245,41 +246,44 @@ class TorchStrategy:
     # --- checkpoints ---------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
-        """Write `path` atomically: HF model files (safetensors) + optimizer, scheduler and RNG state.
+        """Write `path` atomically: HF model files (safetensors) + optimizer, scheduler and RNG state files
+        (`baton.checkpoint`: safetensors and JSON, nothing pickled).
 
         Everything goes to `path + ".partial"` first and is renamed at the end, so an interrupted
         write leaves any earlier checkpoint intact. An existing `path` is replaced only with `overwrite`.
+        A full disk, a read-only file system or a denied permission raises CheckpointError in words.
         """
         path = os.path.abspath(path)
         partial = path + ".partial"
         if os.path.exists(path) and not overwrite:
             raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path")
-        if self._is_writer():
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        self._barrier()
-        state = self._full_state_dict()
-        if self._is_writer():
-            self.hf_model.save_pretrained(partial, state_dict=state, safe_serialization=True)
-            save_tokenizer(self.tokenizer, partial)  # after config.json, which AutoTokenizer reads
-            with open(os.path.join(partial, "trainer_state.json"), "w") as f:
-                json.dump({"global_step": self.global_step}, f)
-            if self.scheduler is not None:
-                torch.save(self.scheduler.state_dict(), os.path.join(partial, "scheduler.pt"))
-        if self.optimizer is not None:
-            torch.save(self._optimizer_state(), os.path.join(partial, f"optimizer{self._rank_suffix()}.pt"))
-        torch.save(self._rng_state(), os.path.join(partial, f"rng{self._rank_suffix()}.pt"))
-        self._barrier()
-        if self._is_writer():
-            if os.path.exists(path):
-                old = path + ".old"
-                shutil.rmtree(old, ignore_errors=True)  # left by a save interrupted between the two renames
-                os.replace(path, old)
-                os.replace(partial, path)
-                shutil.rmtree(old)
-            else:
-                os.replace(partial, path)
-        self._barrier()
+        with writing(path, partial, remove=self._is_writer()):
+            if self._is_writer():
+                shutil.rmtree(partial, ignore_errors=True)
+                os.makedirs(partial)
+            self._barrier()
+            state = self._full_state_dict()
+            if self._is_writer():
+                self.hf_model.save_pretrained(partial, state_dict=state, safe_serialization=True)
+                save_tokenizer(self.tokenizer, partial)  # after config.json, which AutoTokenizer reads
+                with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": self.global_step}, f)
+                if self.scheduler is not None:
+                    save_state(os.path.join(partial, "scheduler.state"), self.scheduler.state_dict())
+            if self.optimizer is not None:
+                save_state(os.path.join(partial, f"optimizer{self._rank_suffix()}.state"), self._optimizer_state())
+            save_state(os.path.join(partial, f"rng{self._rank_suffix()}.state"), self._rng_state())
+            self._barrier()
+            if self._is_writer():
+                if os.path.exists(path):
+                    old = path + ".old"
+                    shutil.rmtree(old, ignore_errors=True)  # left by a save interrupted between the two renames
+                    os.replace(path, old)
+                    os.replace(partial, path)
+                    shutil.rmtree(old)
+                else:
+                    os.replace(partial, path)
+            self._barrier()
 
     def load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -295,12 +299,12 @@ class TorchStrategy:
             self.hf_model.tie_weights()
         with open(os.path.join(path, "trainer_state.json")) as f:
             self.global_step = json.load(f)["global_step"]
-        optimizer_file = os.path.join(path, f"optimizer{self._rank_suffix()}.pt")
-        if os.path.exists(optimizer_file):
+        optimizer_file = os.path.join(path, f"optimizer{self._rank_suffix()}.state")
+        if has_state(optimizer_file):
             self._ensure_optimizer()
-            self._load_optimizer_state(torch.load(optimizer_file, weights_only=False))
-            self.scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
-        self._set_rng_state(torch.load(os.path.join(path, f"rng{self._rank_suffix()}.pt"), weights_only=False))
+            self._load_optimizer_state(load_state(optimizer_file))
+            self.scheduler.load_state_dict(load_state(os.path.join(path, "scheduler.state")))
+        self._set_rng_state(load_state(os.path.join(path, f"rng{self._rank_suffix()}.state")))
 
     def _optimizer_state(self) -> dict:
         return self.optimizer.state_dict()

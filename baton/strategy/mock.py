@@ -12,6 +12,7 @@ import shutil
 
 import torch
 
+from baton.checkpoint import load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import load_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
@@ -88,19 +89,21 @@ class MockStrategy:
         """Nothing lives on an accelerator: no-op."""
 
     def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
-        """One file, `mock_state.pt`, in a directory written under a temporary name and renamed."""
+        """One state file, `mock_state.state`, in a directory written under a temporary name and renamed."""
         if os.path.exists(path) and not overwrite:
             raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path")
         partial = path + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        torch.save({"scalar": self.scalar.detach(), "optimizer": self.optimizer.state_dict(), "global_step": self.global_step},
-                   os.path.join(partial, "mock_state.pt"))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(partial, path)
+        with writing(path, partial):
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+            save_state(os.path.join(partial, "mock_state.state"),
+                       {"scalar": self.scalar.detach(), "optimizer": self.optimizer.state_dict(),
+                        "global_step": self.global_step})
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(partial, path)
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "mock_state.pt"), weights_only=False)
+        state = load_state(os.path.join(path, "mock_state.state"))
         self.scalar.data.copy_(state["scalar"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = state["global_step"]
