@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from baton.checkpoint import PIPELINE_STATE, has_state
 from baton.config import import_object, load_config, load_yaml
 from baton.pipelines.base import list_checkpoints
 from baton.pipelines.config import DataConfig, SamplingConfig
@@ -24,7 +25,7 @@ def resolve_checkpoint(path: str) -> str:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    if os.path.isfile(os.path.join(path, "pipeline_state.pt")):  # a step directory
+    if has_state(os.path.join(path, PIPELINE_STATE)):  # a step directory
         roles = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "config.json")))
         if "actor" in roles:
             return os.path.join(path, "actor")
@@ -35,7 +36,7 @@ def resolve_checkpoint(path: str) -> str:
         runs = [os.path.join(path, d) for d in sorted(os.listdir(path)) if list_checkpoints(os.path.join(path, d))]
         steps = sorted((list_checkpoints(run)[-1] for run in runs), key=os.path.getmtime)
     if not steps:
-        raise FileNotFoundError(f"{path} is not a checkpoint: no config.json (a role directory), pipeline_state.pt "
+        raise FileNotFoundError(f"{path} is not a checkpoint: no config.json (a role directory), {PIPELINE_STATE} "
                                 "(a step directory) or checkpoints/ (a run directory) in it or its subdirectories")
     return resolve_checkpoint(steps[-1])
 
