@@ -73,22 +73,35 @@ def main(argv: list[str] | None = None) -> int:
     from baton.distributed import LayoutError
     from baton.pipelines.base import TrainingInterrupted
 
+    config = None
     try:
         pipeline_cls, config = resolve(args.config, args.overrides)
         if args.command == "config":
-            from baton.config import dump_yaml
-
-            print(dump_yaml(config), end="")
-            return 0
+            return show_config(pipeline_cls, config)
         summary = run_on_ray(pipeline_cls, config, args.ray_address)
     except (ConfigError, LayoutError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:
-        resume = "resume" if hasattr(config, "resume") else "trainer.resume"  # the demo resumes both of its stages
-        print(f"baton: {e}; to continue, rerun the same command with {resume}=latest", file=sys.stderr)
+        print(f"baton: {e}; to continue, rerun the same command with {resume_key(config)}=latest", file=sys.stderr)
         return 130
+    except _run_failures() as e:
+        print(f"baton: error: {one_line(e)}\n  to continue: {next_step(e, config)}"
+              f"\n  full traceback: {write_error_log(config, e)}", file=sys.stderr)
+        return 1
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
+    return 0
+
+
+def show_config(pipeline_cls, config) -> int:
+    """`baton config`: print the resolved config, then run what `baton run` checks before Ray starts."""
+    from baton.config import dump_yaml
+
+    print(dump_yaml(config), end="", flush=True)
+    if hasattr(pipeline_cls, "dry_run"):
+        pipeline_cls.dry_run(config)
+        print("baton: checks passed: config, models, machine and data; `baton run` with these arguments would start",
+              file=sys.stderr)
     return 0
 
 
@@ -134,19 +147,78 @@ def read_prompts(path: str | None) -> list[str]:
 
 def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
     """Run the pipeline on the cluster at `ray_address` (None: the pipeline starts a local Ray); Ray is shut down after."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    from baton.config import ray_runtime_env
     from baton.pipelines.base import run_pipeline
 
     if ray_address:
+        import ray
+
+        from baton.config import ray_runtime_env
+
         ray.init(address=ray_address, logging_level="ERROR", runtime_env=ray_runtime_env())
     try:
         return run_pipeline(pipeline_cls, config)
     finally:
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
+
+
+# --- failures: one line and the next step on the terminal, the traceback in the run directory -------------------
+
+def _run_failures() -> tuple[type, ...]:
+    """The failures reported in one line (imported when one is caught: importing them imports torch)."""
+    from baton.distributed import CallTimeoutError, WorkerError
+
+    return (WorkerError, CallTimeoutError, OSError, ValueError)
+
+
+def one_line(exc: BaseException) -> str:
+    """A failure in one line: a worker's error as cluster, rank, method and the remote exception's last line."""
+    from baton.distributed import WorkerError
+
+    if isinstance(exc, WorkerError):
+        what = "died" if exc.died else "raised"
+        cause = exc.__cause__  # the worker's own exception, where it could be sent back
+        if cause is not None:
+            reason = f"{type(cause).__name__}: {' '.join(str(cause).split())}"
+        else:
+            lines = [line.strip() for line in exc.remote_traceback.strip().splitlines() if line.strip()]
+            reason = lines[-1] if lines else "?"
+        return f"worker {exc.cluster}[rank {exc.rank}] {what} in {exc.method}(): {reason}"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, (ValueError, OSError)) or not text else text
+
+
+def resume_key(config) -> str:
+    return "resume" if hasattr(config, "resume") else "trainer.resume"  # the demo resumes both of its stages
+
+
+def next_step(exc: BaseException, config) -> str:
+    import errno
+
+    resume = f"rerun the same command with {resume_key(config)}=latest (it continues from the last checkpoint)"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free disk space (or lower trainer.keep_last_checkpoints), then {resume}"
+    if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"make the run directory writable (or choose another trainer.run_dir), then {resume}"
+    return f"fix the cause above, then {resume}"
+
+
+def write_error_log(config, exc: BaseException) -> str:
+    """Append the full traceback to the run directory's error.log; returns its path."""
+    import time
+    import traceback
+
+    run_dir = getattr(config, "run_dir", None) or getattr(getattr(config, "trainer", None), "run_dir", None) or "."
+    path = os.path.join(run_dir, "error.log")
+    os.makedirs(run_dir, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} baton {' '.join(sys.argv[1:])}\n")
+        f.write("".join(traceback.format_exception(exc)))
+        remote = getattr(exc, "remote_traceback", None)
+        if remote:
+            f.write(f"remote traceback:\n{remote.rstrip()}\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -65,3 +65,12 @@ def find_file(path: str) -> str:
     where = "" if os.path.isabs(path) else f" in the working directory {os.getcwd()}" + (
         f" or in the config's directory {_config_dir}" if beside_config else "")
     raise FileNotFoundError(f"{path} does not exist{where}")
+
+
+def absolute_if_found(path: str | None) -> str | None:
+    """`path` made absolute where `find_file` finds it; else as given (a name, or a missing file reported by its user).
+    Config classes keep found files this way, so a run directory's config.yaml works from any working directory."""
+    try:
+        return os.path.abspath(find_file(path)) if path else path
+    except FileNotFoundError:
+        return path

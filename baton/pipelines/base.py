@@ -23,11 +23,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from baton.checkpoint import (PIPELINE_STATE, directory_size, ensure_free_space, has_state, load_state,
+                              newest_intact, save_state, verify_checkpoint, write_manifest, writing)
 from baton.config import dump_yaml, import_object, ray_runtime_env, record_import_dirs, to_dict
 from baton.datasets import PromptSampler
 from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec, create_clusters_parallel
 from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import RoleConfig, TrainerConfig
+from baton.pipelines.data import load_datasets
+from baton.pipelines.preflight import check_roles
 from baton.tracking import Tracker, plot_run
 from baton.workers.weight_sync import ModelUpdatePair
 
@@ -73,16 +77,21 @@ def seed_everything(seed: int) -> None:
 
 def start_ray(trainer: TrainerConfig) -> None:
     """Join `trainer.ray_address`, or start a local Ray instance with `trainer.num_cpus` logical CPUs (default: the
-    cores this process may use, so that Ray does not place more CPU-only workers than there are cores)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    cores this process may use, so that Ray does not place more CPU-only workers than there are cores).
 
-    if ray.is_initialized():
+    A local instance listens on the loopback address only (unless `trainer.ray_local_only` is false), so nothing
+    outside this machine can reach it; Ray's token authentication is left as Ray sets it."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         running = ray.cluster_resources().get("CPU")
         if trainer.num_cpus and trainer.num_cpus != running:
             warnings.warn(f"trainer.num_cpus={trainer.num_cpus} is ignored: Ray is already running, with {running:g} "
                           "CPUs (set it where Ray starts: in the demo, sft.trainer.num_cpus)", stacklevel=2)
         return
+    if not trainer.ray_address and trainer.ray_local_only:
+        listen_on_loopback()
+    import ray
+
     if trainer.ray_address:  # a local instance inherits PYTHONPATH; a cluster is told it (baton.config.paths)
         ray.init(address=trainer.ray_address, logging_level="ERROR", runtime_env=ray_runtime_env())
     else:
@@ -90,12 +99,22 @@ def start_ray(trainer: TrainerConfig) -> None:
                  logging_level="ERROR", log_to_driver=False)
 
 
+def listen_on_loopback() -> None:
+    """Make a Ray instance started by this process take 127.0.0.1 as its node address (every Ray server then listens
+    there only). Ray's switch for this is RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when Ray is imported."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # Ray was imported before this was set
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 class Pipeline:
     """Base of the pipelines. `with self.timer(name):` times a stage into `timing_s/<name>`."""
 
     def __init__(self, config, trainer: TrainerConfig):
-        if hasattr(config, "check"):
-            config.check()  # impossible combinations fail here, before Ray or any worker starts
+        # Everything that can be checked without workers fails here, before Ray starts: the config, the models,
+        # the machine, and every row of the data.
+        self.train_data, self.val_data, self.tokenizer = self.dry_run(config)
         self.config = config
         self.trainer = trainer
         seed_everything(trainer.seed)
@@ -122,6 +141,23 @@ class Pipeline:
         self.resumed_from_step: int | None = None
         self.first_val: dict[str, float] | None = None  # validation before the first step, kept across resumes
         self.sampler: PromptSampler | None = None  # the training data position, saved with checkpoints
+
+    @classmethod
+    def dry_run(cls, config):
+        """What `baton run` checks before starting Ray (`baton config` runs it too): the config's `check()`, the
+        roles' strategies and models and the machine (`preflight`), then the data, loaded and validated.
+        Returns (train data, val data, tokenizer)."""
+        if hasattr(config, "check"):
+            config.check()
+        check_roles(config, config.trainer)
+        return cls.load_data(config)
+
+    @classmethod
+    def load_data(cls, config):
+        """(train, val, tokenizer) of a config with `data` and `actor`; None for each where the pipeline has no data."""
+        if getattr(config, "data", None) is None:
+            return None, None, None
+        return load_datasets(config.data, config.actor.strategy.tokenizer)
 
     # --- building -----------------------------------------------------------------------------
 
@@ -174,23 +210,36 @@ class Pipeline:
         torch.set_rng_state(state["rng"]["torch"])
 
     def do_checkpoint(self, step: int) -> str:
-        """Write `checkpoints/step_<step>` atomically (a `.partial` directory renamed at the end); keep the last K."""
+        """Write `checkpoints/step_<step>` atomically: a `.partial` directory, its manifest written last, then the
+        rename. Fails up front if the disk has less free space than the last checkpoint took; a full disk, a
+        read-only file system or a denied permission raises CheckpointError in words, with the partial directory
+        removed and earlier checkpoints as they were. Keeps the last K and, always, this one."""
         final = checkpoint_path(self.trainer.run_dir, step)
         partial = final + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        for name in self.checkpoint_clusters:
-            self.clusters[name].save_checkpoint(os.path.abspath(os.path.join(partial, name)))
-        torch.save(self.pipeline_state(), os.path.join(partial, "pipeline_state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
+        found = list_checkpoints(self.trainer.run_dir)
+        needed_bytes = directory_size(found[-1]) if found else None
+        ensure_free_space(self.trainer.run_dir, needed_bytes, final)
+        with writing(final, partial, needed_bytes):
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+            for name in self.checkpoint_clusters:
+                self.clusters[name].save_checkpoint(os.path.abspath(os.path.join(partial, name)))
+            save_state(os.path.join(partial, PIPELINE_STATE), self.pipeline_state())
+            write_manifest(partial)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
         self.last_saved_step = step
-        for old in list_checkpoints(self.trainer.run_dir)[: -self.trainer.keep_last_checkpoints or None]:
-            shutil.rmtree(old)
+        found = list_checkpoints(self.trainer.run_dir)
+        kept = set(found[-max(self.trainer.keep_last_checkpoints, 1):]) | {final}  # a newer one may be damaged
+        for old in found:
+            if old not in kept:
+                shutil.rmtree(old)
         return final
 
     def maybe_resume(self) -> None:
-        """Load the checkpoint named by `trainer.resume` ("latest" or a path) into every checkpointed cluster."""
+        """Load the checkpoint named by `trainer.resume` into every checkpointed cluster, once its files match its
+        manifest: "latest" takes the run's newest intact checkpoint (saying on stderr which newer ones are damaged);
+        a path given that is damaged raises DamagedCheckpointError."""
         resume = self.trainer.resume
         if resume is None:
             return
@@ -198,12 +247,14 @@ class Pipeline:
             found = list_checkpoints(self.trainer.run_dir)
             if not found:
                 return
-            resume = found[-1]
-        if not os.path.isfile(os.path.join(resume, "pipeline_state.pt")):
-            raise FileNotFoundError(f"trainer.resume={resume!r} is not a baton checkpoint (no pipeline_state.pt)")
+            resume = newest_intact(found)  # a damaged newer one is named on stderr and passed over
+        elif not has_state(os.path.join(resume, PIPELINE_STATE)):
+            raise FileNotFoundError(f"trainer.resume={resume!r} is not a baton checkpoint (no {PIPELINE_STATE})")
+        else:
+            verify_checkpoint(resume)  # damaged: an error naming the file; a path given is never swapped for another
         for name in self.checkpoint_clusters:
             self.clusters[name].load_checkpoint(os.path.abspath(os.path.join(resume, name)))
-        self.load_pipeline_state(torch.load(os.path.join(resume, "pipeline_state.pt"), weights_only=False))
+        self.load_pipeline_state(load_state(os.path.join(resume, PIPELINE_STATE)))
         for pair in self.update_pairs:
             pair.sync()
         self.resumed_from_step = self.global_step
@@ -264,7 +315,7 @@ class Pipeline:
 
     def make_tracker(self) -> Tracker:
         self.tracker = Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
-                               resume=self.global_step > 0)
+                               resumed_from_step=self.global_step if self.global_step > 0 else None)
         return self.tracker
 
     def finish(self, summary: dict) -> dict:

@@ -32,6 +32,13 @@ class RoleConfig:
     # the local backend every worker shares the driver's threads and this is ignored (with a warning).
     num_threads_per_worker: int | None = None
     worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
+    env_vars: dict[str, str] = field(default_factory=dict)  # set in each worker process before its constructor (Ray)
+    # Ray backend: a call running longer than call_timeout_s, or a worker leaving its heartbeat (sent every
+    # health_check_interval_s, answered even while a call runs; 0: off) unanswered for heartbeat_timeout_s, stops the
+    # run with an error naming the worker. Raise call_timeout_s for steps that take longer than 30 minutes.
+    call_timeout_s: float = 1800.0
+    heartbeat_timeout_s: float = 60.0
+    health_check_interval_s: float = 2.0
 
     def worker_config(self, name: str) -> WorkerConfig:
         """The cluster `name` of this role: one worker unless world_size or device_mapping say otherwise.
@@ -39,7 +46,10 @@ class RoleConfig:
         world_size = self.world_size if self.world_size or self.device_mapping else 1
         return WorkerConfig(name, world_size=world_size, device_mapping=self.device_mapping,
                             num_devices_per_worker=self.num_devices_per_worker, num_cpus_per_worker=self.num_cpus_per_worker,
-                            num_threads_per_worker=self.num_threads_per_worker, share_devices_with=MODEL_ROLES)
+                            num_threads_per_worker=self.num_threads_per_worker, share_devices_with=MODEL_ROLES,
+                            env_vars=dict(self.env_vars), call_timeout_s=self.call_timeout_s,
+                            heartbeat_timeout_s=self.heartbeat_timeout_s,
+                            health_check_interval_s=self.health_check_interval_s)
 
     def with_run_schedule(self, num_updates: int) -> "RoleConfig":
         """This role, its decaying lr schedule spanning `num_updates` optimizer steps when it sets no total_steps."""
@@ -69,11 +79,18 @@ class DataConfig:
     num_val_examples: int = 200
     teacher_error: float = 0.0  # arithmetic: the share of the teacher's demonstrations of a carry that drop it
     max_prompt_len: int = 64
+    # A prompt longer than max_prompt_len tokens when the data is loaded: "error" names it; "filter" drops it
+    # (and says how many it dropped). verl's filter_overlong_prompts.
+    overlong_prompts: str = "error"
     seed: int = 0
 
     def __post_init__(self):
+        from baton.datasets import OVERLONG_PROMPTS
+
         if self.task not in ("arithmetic", "files"):
             raise ValueError(f"data.task {self.task!r} is not one of 'arithmetic', 'files'")
+        if self.overlong_prompts not in OVERLONG_PROMPTS:
+            raise ValueError(f"data.overlong_prompts {self.overlong_prompts!r} is not one of {OVERLONG_PROMPTS}")
         if self.task == "files" and not self.train_path:
             raise ValueError("data.task 'files' needs data.train_path (a .jsonl or .parquet file)")
         # Found files are kept as absolute paths, so the run directory's config.yaml works from anywhere.
@@ -139,6 +156,7 @@ class TrainerConfig:
     tracker: list[str] = field(default_factory=lambda: ["jsonl"])
     backend: str = "ray"  # "ray" or "local" (everything in the driver's process)
     ray_address: str | None = None
+    ray_local_only: bool = True  # a local Ray instance listens on 127.0.0.1 only; false: on this node's address
     num_cpus: int | None = None  # logical CPUs of a local Ray instance; default: the cores this process may use
     num_devices_per_node: int | None = None
     num_nodes: int | None = None
@@ -163,6 +181,7 @@ class RLVRConfig:
     critic: RoleConfig | None = None
     colocate_actor_rollout: bool = False  # one process per device holds both; sync shares tensors
     reward_fn: str = "exact_match"
+    reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
     num_reward_workers: int = 1
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -219,7 +238,7 @@ class RLVRConfig:
                 None, self.actor.num_threads_per_worker):
             raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run "
                               "actor.num_threads_per_worker threads: set it there and leave rollout's unset")
-        _check_reward_fn("reward_fn", self.reward_fn)
+        _check_reward_fn(self.reward_fn, self.reward_on_error)
 
 
 @dataclass
@@ -230,7 +249,8 @@ class SFTConfig:
     actor: RoleConfig = field(default_factory=lambda: RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=3e-3))))
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
-    reward_fn: str = "exact_match"
+    reward_fn: str = "exact_match"  # scores validation
+    reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))
 
     def with_run_schedules(self) -> "SFTConfig":
@@ -244,7 +264,7 @@ class SFTConfig:
         if self.trainer.num_prompts_per_step % workers:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
                               f"over the {workers} actor workers; make it a multiple of {workers}")
-        _check_reward_fn("reward_fn", self.reward_fn)
+        _check_reward_fn(self.reward_fn, self.reward_on_error)
 
 
 def _absolute_if_found(path: str | None) -> str | None:
@@ -265,13 +285,14 @@ def _check_choice(key: str, value: str, valid) -> None:
         raise ConfigError(f"{key} {value!r} is not one of {sorted(valid)}")
 
 
-def _check_reward_fn(key: str, name: str) -> None:
-    from baton.rewards import get_reward_fn
+def _check_reward_fn(name: str, on_error: str) -> None:
+    from baton.rewards import REWARD_ON_ERROR, get_reward_fn
 
     try:
         get_reward_fn(name)
     except ValueError as e:
-        raise ConfigError(f"{key}: {e}") from e
+        raise ConfigError(f"reward_fn: {e}") from e
+    _check_choice("reward_on_error", on_error, REWARD_ON_ERROR)
 
 
 def _divisors(n: int) -> list[int]:

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from baton.config import ConfigError
 from baton.pipelines.base import list_checkpoints, run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
@@ -118,18 +119,25 @@ class DemoConfig:
         trainer = dataclasses.replace(config.trainer, resume=self.resume or config.trainer.resume)
         return dataclasses.replace(config, data=config.data or self.data, trainer=trainer)
 
-    def check(self) -> None:
-        """Both stages' checks, so that a mistake in the second shows before the first has run."""
-        self.stage("sft").check()
-        self.stage("rlvr").check()
-
 
 class DemoPipeline:
     config_cls = DemoConfig
 
     def __init__(self, config: DemoConfig):
-        config.check()
+        self.dry_run(config)
         self.config = config
+
+    @classmethod
+    def dry_run(cls, config: DemoConfig) -> None:
+        """Both stages' checks and data, so that a mistake in the second shows before the first has run."""
+        from baton.pipelines.rlvr import RLVRPipeline
+        from baton.pipelines.sft import SFTPipeline
+
+        for name, pipeline_cls in (("sft", SFTPipeline), ("rlvr", RLVRPipeline)):
+            try:
+                pipeline_cls.dry_run(config.stage(name))
+            except ConfigError as e:
+                raise ConfigError(f"{name} stage: {e}") from e
 
     def run(self) -> dict:
         from baton.pipelines.rlvr import RLVRPipeline

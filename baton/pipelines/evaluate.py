@@ -92,13 +92,12 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
 
 def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str | None = None) -> dict:
     """Accuracy and mean reward of `policy` on the run's held-out data (or the prompt file `data_path`)."""
-    from baton.datasets import PromptDataset
-    from baton.pipelines.data import load_datasets
+    from baton.pipelines.data import load_datasets, load_prompt_file
     from baton.pipelines.policy import validate
     from baton.workers import RewardWorker
 
     if data_path is not None:
-        val = PromptDataset.from_file(data_path, policy.data.prompt_key, policy.data.answer_key)
+        val = load_prompt_file(policy.data, data_path, policy.strategy.tokenizer)
     else:
         _, val, _ = load_datasets(policy.data, policy.tokenizer_path)
         if val is None:

@@ -44,6 +44,14 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
         return {}
     prompts = collate_prompts(data, range(len(data)), tokenizer, max_prompt_len)
     out: DataProto = rollout.generate(prompts, sampling.params(seed=0))
-    scores = reward.compute_rewards(out).batch["scores"].numpy()
+    rewards = reward.compute_rewards(out)
+    scores = rewards.batch["scores"].numpy()
     return {"val/accuracy": float(np.mean(scores >= 1.0)), "val/reward/mean": float(scores.mean()),
-            "val/response_length/mean": float(out.batch["response_mask"].sum(-1).float().mean())}
+            "val/response_length/mean": float(out.batch["response_mask"].sum(-1).float().mean()),
+            **reward_error_count(rewards, "val/")}
+
+
+def reward_error_count(rewards: DataProto, prefix: str = "") -> dict[str, float]:
+    """`reward/num_errors`: the rows the reward function raised on and that were scored 0 (reward_on_error: zero)."""
+    counts = rewards.meta_info.get("metrics", {}).get("reward/num_errors", 0)
+    return {f"{prefix}reward/num_errors": float(np.sum(counts))}

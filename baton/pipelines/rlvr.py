@@ -17,9 +17,8 @@ from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import GROUP_ESTIMATORS, RLVRConfig
-from baton.pipelines.data import load_datasets
 from baton.pipelines.losses import PolicyLoss, ValueLoss
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, reward_error_count, validate
 from baton.workers import CriticWorker, ReferenceWorker, RewardWorker
 
 
@@ -30,10 +29,10 @@ class RLVRPipeline(Pipeline):
         config = config.with_run_schedules()
         super().__init__(config, config.trainer)
         algo = config.algorithm
-        self.train_data, self.val_data, self.tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         roles = {**policy_roles(config.actor, config.rollout),
-                 "reward": (RewardWorker, _cpu_role(config.num_reward_workers), (config.reward_fn, config.actor.strategy.tokenizer))}
+                 "reward": (RewardWorker, _cpu_role(config.num_reward_workers), (config.reward_fn, config.actor.strategy.tokenizer,
+                                                                             config.reward_on_error))}
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
@@ -98,7 +97,8 @@ class RLVRPipeline(Pipeline):
                 with self.timer("gen"):
                     batch = self.rollout.generate(self.next_prompts(), self.config.sampling.params())
                 with self.timer("reward"):
-                    batch = batch.union(self.reward.compute_rewards(batch).select(["scores", "token_level_scores"]))
+                    rewards = self.reward.compute_rewards(batch)
+                    batch = batch.union(rewards.select(["scores", "token_level_scores"], [], []))
                 if self.needs_old_log_probs:
                     with self.timer("old_log_prob"):
                         batch.batch["old_log_probs"] = self.actor.compute_log_probs(batch).batch["log_probs"]
@@ -118,7 +118,7 @@ class RLVRPipeline(Pipeline):
                 if step % trainer.sync_every_steps == 0:
                     with self.timer("sync"):
                         self.update_pairs[0].sync()
-            metrics = {**self.rollout_metrics(batch), **adv_metrics, **_prefixed(actor_metrics, "actor/"),
+            metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
             if self.signal_watch is not None:
                 self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])

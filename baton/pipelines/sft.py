@@ -8,7 +8,6 @@ import time
 from baton.datasets import PromptSampler, collate_sft
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RoleConfig, SFTConfig
-from baton.pipelines.data import load_datasets
 from baton.pipelines.losses import SFTLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
 from baton.workers import RewardWorker
@@ -20,8 +19,6 @@ class SFTPipeline(Pipeline):
     def __init__(self, config: SFTConfig):
         config = config.with_run_schedules()
         super().__init__(config, config.trainer)
-        self.train_data, self.val_data, self.tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
-        self.train_data = self.train_data.one_response_per_row(config.data.sft_response_key)
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         # Validation generates with an hf rollout that shares (or receives) the actor's weights.
         rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
@@ -29,13 +26,19 @@ class SFTPipeline(Pipeline):
         colocate = config.actor.strategy.name == "hf"
         reward = RoleConfig(world_size=1, num_devices_per_worker=0)
         clusters = self.create_clusters({**policy_roles(config.actor, rollout),
-                                         "reward": (RewardWorker, reward, (config.reward_fn, config.actor.strategy.tokenizer))},
+                                         "reward": (RewardWorker, reward, (config.reward_fn, config.actor.strategy.tokenizer,
+                                                                           config.reward_on_error))},
                                         fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]
         self.loss = SFTLoss()
         self.maybe_resume()
+
+    @classmethod
+    def load_data(cls, config: SFTConfig):
+        train, val, tokenizer = super().load_data(config)
+        return train.one_response_per_row(config.data.sft_response_key), val, tokenizer
 
     def validate(self) -> dict[str, float]:
         self.update_pairs[0].sync()

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
+from baton.config.paths import absolute_if_found
 from baton.data import DataProto
 
 
@@ -78,6 +79,11 @@ class StrategyConfig:
     tokenizer: str | None = None  # local tokenizer directory; None: the shipped character tokenizer
 
     def __post_init__(self):
+        # Found paths are kept absolute (read from the working directory, else beside the config file), so the run
+        # directory's config.yaml and every worker see the same files.
+        if isinstance(self.model, str):
+            self.model = absolute_if_found(self.model)
+        self.tokenizer = absolute_if_found(self.tokenizer)
         if self.kind not in ("causal_lm", "value"):
             raise ValueError(f"strategy kind {self.kind!r} is not one of 'causal_lm', 'value'")
         if self.micro_batch_size_per_worker is not None and self.max_tokens_per_microbatch is not None:

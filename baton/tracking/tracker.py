@@ -12,14 +12,21 @@ SINKS = ("jsonl", "tensorboard", "wandb")
 
 
 class Tracker:
+    """`resumed_from_step`: a run resumed from that step's checkpoint keeps the records of steps up to it and
+    appends; the steps it runs again (between that checkpoint and the interruption) are logged once."""
+
     def __init__(self, run_dir: str, sinks: Sequence[str] = ("jsonl",), project: str = "baton",
-                 experiment: str | None = None, config: dict[str, Any] | None = None, resume: bool = False):
+                 experiment: str | None = None, config: dict[str, Any] | None = None,
+                 resumed_from_step: int | None = None):
         unknown = set(sinks) - set(SINKS)
         if unknown:
             raise ValueError(f"unknown tracker sinks {sorted(unknown)}; valid: {list(SINKS)}")
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        resume = resumed_from_step is not None
+        if resume:
+            keep_records_until(self.path, resumed_from_step)
         self._jsonl = open(self.path, "a" if resume else "w")
         self._tensorboard = self._wandb = None
         if "tensorboard" in sinks:
@@ -56,5 +63,25 @@ class Tracker:
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:
+    """The records of a metrics.jsonl; a last line cut short (the run was killed while writing it) is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not a JSON record: {line[:80]!r}") from None
+    return records
+
+
+def keep_records_until(path: str, step: int) -> None:
+    """Rewrite `path` (atomically) with only its records of steps <= `step`."""
+    if not os.path.isfile(path):
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(partial, path)

@@ -1,0 +1,123 @@
+"""Checks that need no worker, run before Ray starts (and by `baton config`): every role's strategy and model, the
+strategy/world-size combinations, and whether the machine has the CPUs and devices the roles ask for.
+
+A mistake found here costs a second; found in a worker's start-up it cost half a minute or more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from baton.config import ConfigError
+from baton.distributed.worker import usable_cpu_count
+from baton.pipelines.config import MODEL_ROLES, RoleConfig, TrainerConfig
+from baton.strategy import StrategyConfig, strategy_class
+
+TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_roles(config, trainer: TrainerConfig) -> None:
+    """Raise ConfigError for a role whose strategy or model cannot load, or a layout the machine cannot hold."""
+    for name, role in model_roles(config).items():
+        check_strategy(f"{name}.strategy", role.strategy)
+        workers = role.num_workers(name)
+        if name in TRAINING_ROLES and role.strategy.name == "hf" and workers > 1:
+            raise ConfigError(
+                f"{name}.strategy.name is 'hf' with {workers} {name} workers: the 'hf' strategy keeps an independent model "
+                f"per worker, so they would drift apart; use {name}.strategy.name=fsdp2 to train one model over "
+                f"{workers} workers, or {name}.world_size=1")
+    check_machine(config, trainer)
+
+
+def model_roles(config) -> dict[str, RoleConfig]:
+    return {name: role for name in MODEL_ROLES if isinstance(role := getattr(config, name, None), RoleConfig)}
+
+
+def check_strategy(key: str, strategy: StrategyConfig) -> None:
+    """The strategy class imports, and `model` is a registry name, a valid dict, or a readable HF model directory."""
+    from baton.models import MODEL_CONFIGS, model_config
+
+    try:
+        strategy_class(strategy.name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{key}.name: {e}") from e
+    model = strategy.model
+    if isinstance(model, dict):
+        try:
+            model_config(model)
+        except ValueError as e:
+            raise ConfigError(f"{key}.model: {e}") from e
+    elif model not in MODEL_CONFIGS:
+        check_model_dir(f"{key}.model", model, sorted(MODEL_CONFIGS))
+    if strategy.tokenizer is not None and not os.path.isdir(strategy.tokenizer):
+        raise ConfigError(f"{key}.tokenizer: {strategy.tokenizer} is not a directory (looked in the working directory "
+                          f"{os.getcwd()} and beside the config file); give a local tokenizer directory, or null for "
+                          "baton's character tokenizer")
+
+
+def check_model_dir(key: str, path: str, names: list[str]) -> None:
+    """`path` is a directory with a readable HF config.json and weights."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}: {path!r} is neither a model name ({', '.join(names)}) nor an existing directory "
+                          f"(looked in the working directory {os.getcwd()} and beside the config file); give a local "
+                          "HF model directory (config.json + safetensors) or a model name")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path} is a file; give the directory that holds config.json and the weights")
+    config_file = os.path.join(path, "config.json")
+    try:
+        with open(config_file) as f:
+            hf_config = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {path} has no config.json; is it an HF model directory? (a baton run's model is in "
+                          "its checkpoints/step_N/actor)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{key}: cannot read {config_file}: {e}") from None
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise ConfigError(f"{key}: {config_file} has no model_type; it is not an HF model config")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES) and not any(
+            name.endswith(".safetensors") for name in os.listdir(path)):
+        raise ConfigError(f"{key}: {path} has a config.json but no weights (model.safetensors); copy the whole model "
+                          "directory")
+
+
+def check_machine(config, trainer: TrainerConfig) -> None:
+    """On a local Ray instance (the one the pipeline starts, or one already running): the roles' device slots and
+    CPU-only workers fit. A cluster joined by address is checked by the resource manager when it reserves."""
+    from baton.pipelines.base import describe_roles, devices_needed
+
+    if trainer.backend != "ray" or trainer.ray_address:
+        return
+    ray = sys.modules.get("ray")
+    running = ray is not None and ray.is_initialized()
+    if running:
+        resources = ray.cluster_resources()
+        cpus, gpus, where = resources.get("CPU", 0.0), resources.get("GPU", 0.0), "the running Ray instance"
+    else:
+        if (trainer.num_nodes or 1) > 1:
+            raise ConfigError(f"trainer.num_nodes={trainer.num_nodes}, but a local Ray instance has one node; join a "
+                              "cluster with --ray-address (trainer.ray_address), or set trainer.num_nodes=null")
+        cpus = trainer.num_cpus or usable_cpu_count()
+        gpus = _local_gpu_count()
+        where = (f"a local Ray instance with trainer.num_cpus={trainer.num_cpus}" if trainer.num_cpus else
+                 f"a local Ray instance on the {cpus} core(s) this process may use")
+    num_nodes = trainer.num_nodes or 1
+    slots = (trainer.num_devices_per_node or devices_needed(config, num_nodes)) * num_nodes
+    reward_cpus = float(getattr(config, "num_reward_workers", 1))  # both pipelines score with CPU-only reward workers
+    if gpus and slots > gpus:
+        raise ConfigError(f"the roles need {slots} GPU(s) ({describe_roles(config)}) but {where} has {gpus:g}; "
+                          "lower their world_size / device_mapping")
+    needed = reward_cpus + slots  # a slot is a CPU, or a GPU whose worker takes one CPU beside it
+    if needed > cpus:
+        raise ConfigError(
+            f"the roles need {needed:g} CPU(s): {slots} device slot(s) ({describe_roles(config)}) and {reward_cpus:g} "
+            f"for reward workers, but {where} has {cpus:g}. Lower world_size / num_reward_workers, or set "
+            "trainer.num_cpus to start Ray with more logical CPUs (slower: the workers then share cores)")
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
