@@ -10,7 +10,7 @@ import time
 import pytest
 
 from baton import Cluster, Dispatch, Worker, WorkerConfig, register
-from baton.distributed import CallTimeoutError, LayoutError, WorkerDiedError, WorkerError
+from baton.distributed import CallTimeoutError, ClusterStoppedError, LayoutError, WorkerDiedError, WorkerError
 
 
 class Fragile(Worker):
@@ -70,7 +70,9 @@ def test_killed_worker_fails_a_pending_call_within_seconds(make_manager):
             future.get()
         assert time.monotonic() - start < 10
         assert (info.value.cluster, info.value.rank, info.value.method) == ("victim", 1, "sleep")
-        assert "died in sleep()" in str(info.value)
+        assert "died in sleep()" in str(info.value) and "processes were stopped" in str(info.value)
+        with pytest.raises(ClusterStoppedError, match=r"after victim\[rank 1\]\.sleep died; call restart\(\)"):
+            cluster.pid()
 
 
 @pytest.mark.ray
@@ -93,7 +95,7 @@ def test_health_monitor_sees_an_idle_worker_die(make_manager):
         while cluster._group.monitor.check() is None:
             assert time.monotonic() < deadline, "health monitor did not notice the dead worker within 10 s"
             time.sleep(0.1)
-        assert cluster._group.monitor.check()[0] == 1
+        assert cluster._group.monitor.check().rank == 1
         start = time.monotonic()
         with pytest.raises(WorkerDiedError):
             cluster.sleep_blocking(60)

@@ -8,14 +8,22 @@ from baton.distributed.cluster import (
     create_colocated_clusters,
 )
 from baton.distributed.dispatch import Dispatch, Execute, Layout, register, register_dispatch_mode
-from baton.distributed.errors import CallTimeoutError, LayoutError, OversubscriptionWarning, WorkerDiedError, WorkerError
+from baton.distributed.errors import (
+    CallTimeoutError,
+    ClusterStoppedError,
+    LayoutError,
+    OversubscriptionWarning,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFrozenError,
+)
 from baton.distributed.future import CallFuture, DataProtoFuture, materialize_concat
 from baton.distributed.resource import ResourceManager, ResourcePool
 from baton.distributed.worker import RankInfo, Worker, WorkerContext
 
 __all__ = [
-    "CallFuture", "CallTimeoutError", "Cluster", "DataProtoFuture", "Dispatch", "Execute", "Layout", "LayoutError",
-    "OversubscriptionWarning", "RankInfo", "ResourceManager", "ResourcePool", "Worker", "WorkerConfig", "WorkerContext",
-    "WorkerDiedError", "WorkerError", "WorkerSpec", "create_clusters_parallel", "create_colocated_clusters",
-    "materialize_concat", "register", "register_dispatch_mode",
+    "CallFuture", "CallTimeoutError", "Cluster", "ClusterStoppedError", "DataProtoFuture", "Dispatch", "Execute",
+    "Layout", "LayoutError", "OversubscriptionWarning", "RankInfo", "ResourceManager", "ResourcePool", "Worker",
+    "WorkerConfig", "WorkerContext", "WorkerDiedError", "WorkerError", "WorkerFrozenError", "WorkerSpec",
+    "create_clusters_parallel", "create_colocated_clusters", "materialize_concat", "register", "register_dispatch_mode",
 ]

@@ -2,18 +2,19 @@
 
 Both offer the same four operations (create a host, submit a method call, wait for results, kill),
 so dispatch, collection and errors are written once. Every wait has a timeout; a failure becomes
-a `WorkerError` naming the cluster, rank, method and the remote traceback.
+a `WorkerError` naming the cluster, rank, method and the remote traceback. On Ray, a wait watched
+by the cluster's `HealthMonitor` also fails on a dead or frozen worker, and stops the cluster.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from baton.distributed.errors import CallTimeoutError, LayoutError, WorkerDiedError, WorkerError
+from baton.distributed.errors import CallTimeoutError, ClusterStoppedError, LayoutError, WorkerDiedError, WorkerError
+from baton.distributed.health import HealthMonitor, died_reason
 from baton.distributed.host import WorkerHost
 
 
@@ -27,9 +28,6 @@ class Source:
 
     def __str__(self) -> str:
         return f"{self.cluster}[rank {self.rank}].{self.method}"
-
-
-DeadCheck = Callable[[], "tuple[int, str] | None"]
 
 
 # --- local -----------------------------------------------------------------------------------
@@ -65,7 +63,7 @@ class LocalBackend:
             return tuple(LocalRef(v) for v in value)
         return LocalRef(value)
 
-    def get(self, refs: Sequence[LocalRef], sources: Sequence[Source], timeout_s: float, dead_check: DeadCheck | None = None) -> list:
+    def get(self, refs: Sequence[LocalRef], sources: Sequence[Source], timeout_s: float, guard: HealthMonitor | None = None) -> list:
         for ref, source in zip(refs, sources):
             if ref.error is not None:
                 raise WorkerError(source.cluster, source.rank, source.method, ref.remote_traceback) from ref.error
@@ -84,18 +82,27 @@ _RAY_HOST_CLASS = None
 
 
 def _ray_host_class():
-    """The Ray actor class around `WorkerHost` (made on first use, so importing baton does not import Ray)."""
+    """The Ray actor class around `WorkerHost` (made on first use, so importing baton does not import Ray).
+
+    Calls run in Ray's default concurrency group, one at a time and in submission order; the
+    heartbeat has a group (a thread) of its own, so it is answered while a call runs.
+    """
     global _RAY_HOST_CLASS
     if _RAY_HOST_CLASS is None:
         import ray
 
-        _RAY_HOST_CLASS = ray.remote(WorkerHost)
+        class RayWorkerHost(WorkerHost):
+            @ray.method(concurrency_group="heartbeat")
+            def heartbeat(self) -> bool:
+                return super().heartbeat()
+
+        _RAY_HOST_CLASS = ray.remote(concurrency_groups={"heartbeat": 1})(RayWorkerHost)
     return _RAY_HOST_CLASS
 
 
 class RayBackend:
     name = "ray"
-    poll_s = 0.5  # how often a pending wait looks for failed or dead workers
+    poll_s = 0.5  # how often a pending wait looks for failed, dead or frozen workers
 
     def create_host(self, name: str, options: dict):
         return _ray_host_class().options(name=name, **options).remote(sets_environment=True)
@@ -106,35 +113,45 @@ class RayBackend:
             remote_method = remote_method.options(num_returns=num_returns)
         return remote_method.remote(*args)
 
-    def get(self, refs: Sequence, sources: Sequence[Source], timeout_s: float, dead_check: DeadCheck | None = None) -> list:
+    def get(self, refs: Sequence, sources: Sequence[Source], timeout_s: float, guard: HealthMonitor | None = None) -> list:
+        """The results of `refs`, or the first error among them.
+
+        With a `guard` (the cluster's monitor), a dead or frozen worker fails the wait within the
+        monitor's bounds, and a dead, frozen or timed-out call halts the guard: every process of the
+        cluster is killed, since Ray cannot interrupt a running call and later calls would queue
+        behind it. The error says so. A method that raised leaves the cluster running.
+        """
         import ray
-        from ray.exceptions import GetTimeoutError, RayError
+        from ray.exceptions import RayError
 
         refs = list(refs)
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining = deadline - time.monotonic()
             try:
-                return ray.get(refs, timeout=max(0.0, min(self.poll_s, remaining)))
-            except GetTimeoutError:
+                return ray.get(refs, timeout=max(0.0, min(self.poll_s, deadline - time.monotonic())))
+            except RayError:  # GetTimeoutError included; find out what went wrong, below
                 pass
-            except RayError:
-                pass  # find out which worker failed, below
-            self._raise_first_failure(refs, sources)
-            if dead_check is not None and (dead := dead_check()) is not None:
-                rank, reason = dead
-                pending = [s for r, s in zip(refs, sources) if s.rank == rank] or list(sources)
-                raise WorkerDiedError(pending[0].cluster, rank, pending[0].method, reason)
-            if time.monotonic() >= deadline:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                done = set(ready)
-                waiting = [str(s) for r, s in zip(refs, sources) if r not in done]
-                raise CallTimeoutError(
-                    f"{len(waiting)} call(s) still running after {timeout_s:.0f} s: {', '.join(waiting[:8])}; "
-                    "raise the cluster's call_timeout_s if this step is expected to take longer"
+            if guard is not None and guard.stopped_reason is not None:
+                raise ClusterStoppedError(
+                    f"{sources[0]}: the result is lost: cluster {sources[0].cluster!r}'s worker processes were "
+                    f"stopped {guard.stopped_reason}"
                 )
+            note = _STOPPED_NOTE if guard is not None else ""
+            error = self._first_failure(refs, sources, note)
+            if error is None and guard is not None and (lost := guard.check()) is not None:
+                source = next((s for s in sources if s.rank == lost.rank), sources[0])
+                error = lost.error(source.cluster, source.method, note)
+            halt_reason = f"after {error.cluster}[rank {error.rank}].{error.method} {error.what}" if error else ""
+            if error is None and time.monotonic() >= deadline:
+                error, first_pending = self._timeout_error(refs, sources, timeout_s, note)
+                halt_reason = f"after {first_pending} timed out ({timeout_s:g} s)"
+            if error is None:
+                continue
+            if guard is not None and isinstance(error, (WorkerDiedError, CallTimeoutError)):  # not for a method that raised
+                guard.halt(halt_reason)
+            raise error
 
-    def _raise_first_failure(self, refs: list, sources: Sequence[Source]) -> None:
+    def _first_failure(self, refs: list, sources: Sequence[Source], note: str) -> WorkerError | None:
         import ray
         from ray.exceptions import RayActorError, RayError, RayTaskError
 
@@ -146,11 +163,30 @@ class RayBackend:
             try:
                 ray.get(ref, timeout=0)
             except RayActorError as exc:
-                raise WorkerDiedError(source.cluster, source.rank, source.method, _died_reason(exc)) from None
+                reason = died_reason(exc) + (f"; {note}" if note else "")
+                return WorkerDiedError(source.cluster, source.rank, source.method, reason)
             except RayTaskError as exc:
-                raise WorkerError(source.cluster, source.rank, source.method, str(exc)) from exc.cause
+                error = WorkerError(source.cluster, source.rank, source.method, str(exc))
+                error.__cause__ = exc.cause
+                return error
             except RayError as exc:
-                raise WorkerError(source.cluster, source.rank, source.method, repr(exc)) from exc
+                error = WorkerError(source.cluster, source.rank, source.method, repr(exc))
+                error.__cause__ = exc
+                return error
+        return None
+
+    @staticmethod
+    def _timeout_error(refs: list, sources: Sequence[Source], timeout_s: float, note: str) -> tuple[CallTimeoutError, str]:
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        pending = [str(s) for r, s in zip(refs, sources) if r not in done] or [str(sources[0])]
+        message = (f"{len(pending)} call(s) still running after {timeout_s:g} s: {', '.join(pending[:8])}; "
+                   "raise the cluster's call_timeout_s if this step is expected to take longer")
+        if note:
+            message += f". Ray cannot interrupt a running call, so {note}"
+        return CallTimeoutError(message), pending[0]
 
     def wait_started(self, actors: Sequence, sources: Sequence[Source], timeout_s: float) -> None:
         """Wait until every actor is scheduled and its process is up; say why if one can't be placed."""
@@ -173,7 +209,7 @@ class RayBackend:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             stuck = [str(s.rank) for r, s in zip(refs, sources) if r not in set(ready)]
             raise CallTimeoutError(
-                f"cluster {sources[0].cluster!r}: rank(s) {', '.join(stuck)} not started after {timeout_s:.0f} s. "
+                f"cluster {sources[0].cluster!r}: rank(s) {', '.join(stuck)} not started after {timeout_s:g} s. "
                 f"Ray could not place them; free resources: {ray.available_resources()}. {advice}"
             ) from None
 
@@ -183,55 +219,8 @@ class RayBackend:
         ray.kill(actor, no_restart=True)
 
 
-def _died_reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"worker process died: {text.splitlines()[0] if text else type(exc).__name__}"
-
-
-class HealthMonitor:
-    """Pings a cluster's actors in a background thread and remembers the first one that died.
-
-    A pending call asks `check()` between polls, so a killed worker surfaces within seconds even
-    while the driver is waiting on it. Each actor has at most one ping outstanding: a busy actor's
-    ping waits its turn behind the running call (it is not taken for dead), while a dead actor's
-    ping fails as soon as Ray learns the process is gone.
-    """
-
-    def __init__(self, actors: Sequence, interval_s: float):
-        self._actors = list(actors)
-        self._interval_s = interval_s
-        self._dead: tuple[int, str] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="baton-health", daemon=True)
-        self._thread.start()
-
-    def check(self) -> tuple[int, str] | None:
-        return self._dead
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._interval_s + 1.0)
-
-    def _run(self) -> None:
-        import ray
-        from ray.exceptions import RayActorError
-
-        outstanding: dict = {}  # ping ref -> rank
-        while not self._stop.is_set() and ray.is_initialized():
-            pinged = set(outstanding.values())
-            for rank, actor in enumerate(self._actors):
-                if rank not in pinged:
-                    outstanding[actor.ping.remote()] = rank
-            ready, _ = ray.wait(list(outstanding), num_returns=len(outstanding), timeout=self._interval_s)
-            for ref in ready:
-                rank = outstanding.pop(ref)
-                try:
-                    ray.get(ref, timeout=0)
-                except RayActorError as exc:
-                    self._dead = (rank, _died_reason(exc))
-                    return
-            self._stop.wait(self._interval_s)
+_STOPPED_NOTE = ("the cluster's worker processes were stopped (their state is lost); "
+                 "call restart() on the cluster to start fresh ones")
 
 
 BACKENDS: dict[str, Any] = {"local": LocalBackend(), "ray": RayBackend()}

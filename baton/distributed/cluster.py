@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from baton.data import DataProto
-from baton.distributed.backend import HealthMonitor, Source, get_backend
-from baton.distributed.dispatch import Execute, Layout, MethodSpec, get_dispatch_mode, registered_methods
-from baton.distributed.errors import LayoutError
+from baton.distributed.backend import Source, get_backend
+from baton.distributed.dispatch import Execute, Layout, MethodSpec, check_data_output, get_dispatch_mode, registered_methods
+from baton.distributed.errors import ClusterStoppedError, LayoutError
+from baton.distributed.health import HealthMonitor
 from baton.distributed.future import CallFuture, DataProtoFuture
 from baton.distributed.resource import Placement, ResourceManager, ResourcePool
 from baton.distributed.worker import Worker, WorkerContext
@@ -51,6 +52,13 @@ class WorkerConfig:
     `num_threads_per_worker` sets torch's threads in each worker process; None follows the worker's
     CPU share (see `ResourceManager`), at least 1. On the local backend the workers share the
     driver's process and its threads, and the setting is ignored.
+
+    Limits (Ray backend; on the local backend calls run in the driver's thread and nothing can
+    interrupt them): a call that runs longer than `call_timeout_s` raises `CallTimeoutError`; a
+    worker that leaves its heartbeat (sent every `health_check_interval_s`, answered by a thread of
+    its own, so a busy worker answers) unanswered for `heartbeat_timeout_s` is frozen and fails the
+    pending call with `WorkerFrozenError`. Both stop the cluster's processes: see `Cluster.restart`.
+    `health_check_interval_s=0` turns the heartbeat off (frozen workers then wait out the call timeout).
     """
 
     name: str
@@ -64,6 +72,21 @@ class WorkerConfig:
     call_timeout_s: float = 1800.0
     start_timeout_s: float = 120.0
     health_check_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        for key in ("call_timeout_s", "start_timeout_s", "heartbeat_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"cluster {self.name!r}: {key}={getattr(self, key)} must be > 0 (seconds)")
+        if self.health_check_interval_s < 0:
+            raise ValueError(f"cluster {self.name!r}: health_check_interval_s={self.health_check_interval_s} must be "
+                             ">= 0 (0 turns the heartbeat off)")
+        if self.health_check_interval_s >= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"cluster {self.name!r}: heartbeat_timeout_s={self.heartbeat_timeout_s:g} must exceed "
+                f"health_check_interval_s={self.health_check_interval_s:g}, or every worker would look frozen; "
+                "raise heartbeat_timeout_s (e.g. 30x the interval)"
+            )
 
     def resolve_world_size(self, pool: ResourcePool | None) -> tuple[int, list[int] | None]:
         """(world_size, device_mapping) after defaults; raises LayoutError with the fix when they disagree."""
@@ -106,7 +129,11 @@ class WorkerConfig:
 
 
 class _Group:
-    """The processes behind one or more cluster views: hosts, placement and health monitor."""
+    """The processes behind one or more cluster views: hosts, placement, health monitor, cached layouts.
+
+    A start of the processes is one generation with its own monitor; `restart()` begins the next
+    on the same placements.
+    """
 
     def __init__(self, roles: dict[str, WorkerSpec], config: WorkerConfig, resources: ResourceManager | ResourcePool):
         self.manager = resources if isinstance(resources, ResourceManager) else resources.manager
@@ -132,24 +159,37 @@ class _Group:
             config.share_devices_with,
         )
         self.hosts: list = []
-        self.monitor: HealthMonitor | None = None
+        self.monitor: HealthMonitor | None = None  # Ray only
+        self.layouts: dict[str, Layout] = {}  # role -> the workers' RankInfos (see Cluster.layout)
+        self.generation = 0
+        self.shut_down = False
 
     def sources(self, method: str) -> list[Source]:
         return [Source(self.name, rank, method) for rank in range(self.world_size)]
 
+    def stopped_reason(self) -> str | None:
+        """Why the processes are stopped (e.g. 'after actor[rank 1].generate froze'); None while they run."""
+        if self.shut_down:
+            return "by shutdown()"
+        return self.monitor.stopped_reason if self.monitor is not None else None
+
     def create_hosts(self) -> None:
         run = self.manager.run_name
+        restart = f":restart{self.generation}" if self.generation else ""
         self.hosts = [
-            self.backend.create_host(f"{run}:{self.name}:{rank}", placement.ray_options)
+            self.backend.create_host(f"{run}:{self.name}:{rank}{restart}", placement.ray_options)
             for rank, placement in enumerate(self.placements)
         ]
 
     def construct(self) -> list:
-        """Start every role's worker on every host; returns the pending refs."""
+        """Start every role's worker on every host; returns the pending refs. Watched from the moment the processes are up."""
         self.backend.wait_started(self.hosts, self.sources("start"), self.config.start_timeout_s)
+        if self.manager.backend == "ray":
+            self.monitor = HealthMonitor(self.hosts, self.backend.kill, interval_s=self.config.health_check_interval_s,
+                                         heartbeat_timeout_s=self.config.heartbeat_timeout_s)
         [(addr, port)] = self.backend.get(
             [self.backend.submit(self.hosts[0], "master_address")], self.sources("master_address")[:1],
-            self.config.start_timeout_s,
+            self.config.start_timeout_s, self.monitor,
         )
         roles = {role: (spec.cls, spec.args, spec.kwargs) for role, spec in self.roles.items()}
         refs = []
@@ -174,23 +214,34 @@ class _Group:
         return max(1, int(placement.num_cpus))
 
     def await_construct(self, refs: list) -> None:
-        reports = self.backend.get(refs, self.sources("__init__"), self.config.start_timeout_s + self.config.call_timeout_s)
+        reports = self.backend.get(refs, self.sources("__init__"), self.config.start_timeout_s + self.config.call_timeout_s,
+                                   self.monitor)
         if self.manager.backend == "ray":
             self.manager.record_threads(self.name, [(placement, threads, cores)
                                                     for placement, (threads, cores) in zip(self.placements, reports)])
-            if self.config.health_check_interval_s > 0:
-                self.monitor = HealthMonitor(self.hosts, self.config.health_check_interval_s)
 
-    def dead_check(self):
-        return self.monitor.check if self.monitor is not None else None
+    def restart(self) -> None:
+        if self.shut_down:
+            raise ClusterStoppedError(f"cluster {self.name!r} was shut down and cannot restart; build a new cluster")
+        self._stop_processes("by restart()")
+        self.generation += 1
+        self.layouts.clear()
+        _start_groups([self], check_threads=False)
 
     def shutdown(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
-        for host in self.hosts:
-            self.backend.kill(host)
+        self._stop_processes("by shutdown()")
         self.hosts = []
+        self.shut_down = True
         self.manager.release(self.name)
+
+    def _stop_processes(self, reason: str) -> None:
+        if self.monitor is not None:
+            self.monitor.halt(reason)  # kills this generation's processes, if a failure has not already
+            self.monitor.close()
+            self.monitor = None
+        else:
+            for host in self.hosts:
+                self.backend.kill(host)
 
 
 class Cluster:
@@ -199,6 +250,12 @@ class Cluster:
     `Cluster(MyWorker, WorkerConfig(name="actor", device_mapping=[0, 1]), resource_manager)`, or pass
     a `WorkerSpec(MyWorker, args, kwargs)` to give the workers constructor arguments. The backend
     (Ray or local) is the resource manager's.
+
+    Failures: a worker method that raises gives a `WorkerError` and the cluster keeps working. A
+    call that times out, or a worker that died or froze, gives `CallTimeoutError`,
+    `WorkerDiedError` or `WorkerFrozenError`, and the cluster's processes are stopped (killed: Ray
+    cannot interrupt a running call, and every later call would queue behind it). Their state is
+    lost; later calls raise `ClusterStoppedError` until `restart()` starts fresh workers.
     """
 
     def __init__(self, worker: type | WorkerSpec, config: WorkerConfig, resources: ResourceManager | ResourcePool, *, _start: bool = True):
@@ -216,7 +273,6 @@ class Cluster:
     def _attach(self, group: _Group, role: str) -> None:
         self._group = group
         self._role = role
-        self._layout: Layout | None = None
         self._plain_layout = Layout.plain(group.world_size)  # for modes that need no RankInfo; built once
         self.worker_cls = group.roles[role].cls
         for name, spec in registered_methods(self.worker_cls).items():
@@ -242,25 +298,42 @@ class Cluster:
 
     @property
     def layout(self) -> Layout:
-        """Every worker's `RankInfo`, read from the workers once and cached until a non-dp call."""
-        if self._layout is None:
-            group = self._group
+        """Every worker's `RankInfo`, read from the workers once and cached until a non-dp call or a restart."""
+        group = self._group
+        layout = group.layouts.get(self._role)
+        if layout is None:
             refs = [group.backend.submit(h, "rank_info", self._role) for h in group.hosts]
-            infos = group.backend.get(refs, group.sources("rank_info"), group.config.call_timeout_s, group.dead_check())
+            infos = group.backend.get(refs, group.sources("rank_info"), group.config.call_timeout_s, group.monitor)
             sizes = {(i.dp_size, i.tp_size, i.pp_size, i.cp_size) for i in infos}
             if len(sizes) != 1 or (n := next(iter(sizes)))[0] * n[1] * n[2] * n[3] != self.world_size:
                 raise ValueError(
                     f"cluster {self.name!r}: workers report layouts {sorted(sizes)} (dp, tp, pp, cp); all must agree and "
                     f"multiply to world_size={self.world_size}"
                 )
-            self._layout = Layout(self.world_size, tuple(infos))
-        return self._layout
+            layout = group.layouts[self._role] = Layout(self.world_size, tuple(infos))
+        return layout
 
     def refresh_rank_info(self) -> None:
-        self._layout = None
+        self._group.layouts.pop(self._role, None)
+
+    def restart(self) -> None:
+        """Kill this cluster's worker processes (those still running) and start fresh ones, ready for the next call.
+
+        The workers are built again from their `WorkerSpec`s, on the same placements (nodes, devices,
+        CPUs) with the same contexts. Whatever they held beyond what their constructors build (weights
+        loaded or trained by later calls, optimizer state) is lost: restore it, e.g. from a checkpoint.
+        For a colocated view every role sharing the processes restarts. If the new workers fail to
+        start, the error is raised and the cluster is shut down.
+        """
+        self._group.restart()
 
     def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
         group = self._group
+        if (stopped := group.stopped_reason()) is not None:
+            raise ClusterStoppedError(
+                f"cluster {self.name!r} cannot run {method}(): its worker processes were stopped {stopped}; "
+                "call restart() on it to start fresh workers (their constructors run again)"
+            )
         mode = get_dispatch_mode(spec.dispatch_mode)
         layout = self.layout if mode.needs_rank_info else self._plain_layout
         args, kwargs, num_pad_rows = _pad_for_dp(args, kwargs, layout.dp_size) if spec.auto_padding else (args, kwargs, 0)
@@ -271,21 +344,26 @@ class Cluster:
         wants_lengths = mode.returns_data and not spec.blocking and not rank_zero_only
         refs, length_refs = {}, {}
         for rank in ranks:
-            request = (self._role, method, *per_worker[rank], spec.materialize_futures)
+            worker_args, worker_kwargs = per_worker[rank]
+            request = [self._role, method, (worker_args, worker_kwargs) if worker_args or worker_kwargs else None,
+                       spec.materialize_futures]
             if wants_lengths and rank in collect:
                 length_refs[rank], refs[rank] = group.backend.submit(group.hosts[rank], "call_returning_length", request, num_returns=2)
             else:
                 refs[rank] = group.backend.submit(group.hosts[rank], "call", request)
         if not mode.needs_rank_info:
-            self._layout = None  # such calls may change a worker's RankInfo (e.g. a model-building call)
+            group.layouts.pop(self._role, None)  # such calls may change a worker's RankInfo (e.g. a model-building call)
         sources = [Source(self.name, rank, method) for rank in ranks]
-        timeout_s, dead_check = group.config.call_timeout_s, group.dead_check()
+        timeout_s, guard = group.config.call_timeout_s, group.monitor
 
         def finish(outputs: list) -> Any:
             by_rank = dict(zip(ranks, outputs))
             if rank_zero_only:
                 return by_rank[0]
             collected = [by_rank[r] for r in collect]
+            if mode.returns_data:
+                for rank, output in zip(collect, collected):
+                    check_data_output(output, f"cluster {self.name!r} rank {rank}: {self.worker_cls.__name__}.{method}")
             if spec.auto_padding:
                 _check_rows_kept(self.name, method, [per_worker[r] for r in collect], collected)
             result = mode.collect_fn(layout, collected)
@@ -294,15 +372,15 @@ class Cluster:
             return result
 
         if spec.blocking:
-            return finish(group.backend.get(list(refs.values()), sources, timeout_s, dead_check))
+            return finish(group.backend.get(list(refs.values()), sources, timeout_s, guard))
         if wants_lengths:
             return DataProtoFuture(
                 [refs[r] for r in collect], group.backend.name, length_refs=[length_refs[r] for r in collect],
                 num_pad_rows=num_pad_rows, sources=[Source(self.name, r, method) for r in collect],
                 expected_lengths=[_rows_in(*per_worker[r]) for r in collect] if spec.auto_padding else None,
-                _dead_check=dead_check, _timeout_s=timeout_s,
+                _guard=guard, _timeout_s=timeout_s,
             )
-        return CallFuture(list(refs.values()), sources, group.backend.name, finish, timeout_s, dead_check)
+        return CallFuture(list(refs.values()), sources, group.backend.name, finish, timeout_s, guard)
 
     def shutdown(self) -> None:
         """Stop this cluster's worker processes (for a colocated view: the shared processes) and free its devices."""
@@ -354,7 +432,7 @@ def _check_rows_kept(cluster: str, method: str, inputs: list[tuple[tuple, dict]]
             )
 
 
-def _start_groups(groups: Sequence[_Group]) -> None:
+def _start_groups(groups: Sequence[_Group], check_threads: bool = True) -> None:
     try:
         for group in groups:
             group.create_hosts()
@@ -365,7 +443,7 @@ def _start_groups(groups: Sequence[_Group]) -> None:
         for group in groups:
             group.shutdown()
         raise
-    if groups:
+    if groups and check_threads:
         groups[0].manager.check_threads()  # once all are up, so that the warning counts them all
 
 

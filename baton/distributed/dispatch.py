@@ -226,6 +226,17 @@ def split_dp_args(layout: Layout, args: tuple, kwargs: dict, *, first_mp_rank_on
     return per_worker
 
 
+def check_data_output(output, where: str) -> None:
+    """A DataProto dispatch mode's method must return a DataProto; else a TypeError naming `where` and the fix."""
+    if isinstance(output, DataProto):
+        return
+    what = f"a dict with keys {sorted(map(str, output))[:8]}" if isinstance(output, dict) else f"a {type(output).__name__}"
+    raise TypeError(
+        f"{where} is registered with a DataProto dispatch mode (DP_COMPUTE, DP_DISPATCH_FIRST) but returned {what}; "
+        "return a DataProto, or register it with Dispatch.DP_COMPUTE_METRIC to get the list of per-dp-rank results"
+    )
+
+
 def _concat(layout: Layout, outputs: list) -> DataProto:
     return DataProto.concat(outputs)
 

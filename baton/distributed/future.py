@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from baton.data import DataProto
-from baton.distributed.backend import DeadCheck, Source, get_backend
+from baton.distributed.backend import Source, get_backend
+from baton.distributed.health import HealthMonitor
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -37,13 +38,13 @@ class DataProtoFuture:
     num_pad_rows: int = 0
     sources: list[Source] | None = None
     expected_lengths: list[int | None] | None = None
-    # Driver-side only: the producing cluster's death check and timeout; not sent to workers.
-    _dead_check: DeadCheck | None = field(default=None, repr=False, compare=False)
+    # Driver-side only: the producing cluster's health monitor and timeout; not sent to workers.
+    _guard: HealthMonitor | None = field(default=None, repr=False, compare=False)
     _timeout_s: float = field(default=DEFAULT_TIMEOUT_S, repr=False, compare=False)
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_dead_check"] = None
+        state["_guard"] = None
         return state
 
     def _sources(self) -> list[Source]:
@@ -52,7 +53,7 @@ class DataProtoFuture:
     def get(self, timeout_s: float | None = None) -> DataProto:
         """Fetch every shard and concatenate them (dropping auto-padding rows)."""
         backend = get_backend(self.backend_name)
-        shards = backend.get(self.refs, self._sources(), timeout_s or self._timeout_s, self._dead_check)
+        shards = backend.get(self.refs, self._sources(), timeout_s or self._timeout_s, self._guard)
         if self.row_ranges is not None:
             shards = [shard[start:stop] for shard, (start, stop) in zip(shards, self.row_ranges)]
         self._check_lengths([len(shard) for shard in shards])
@@ -66,7 +67,7 @@ class DataProtoFuture:
         if self.length_refs is None:
             raise ValueError("this DataProtoFuture does not know its shard lengths; fetch it with get()")
         backend = get_backend(self.backend_name)
-        lengths = backend.get(self.length_refs, self._sources(), timeout_s or self._timeout_s, self._dead_check)
+        lengths = backend.get(self.length_refs, self._sources(), timeout_s or self._timeout_s, self._guard)
         self._check_lengths(lengths)
         return lengths
 
@@ -115,7 +116,7 @@ class DataProtoFuture:
             ranges.append((offset + start, offset + stop))
             sources.append(self._sources()[shard])
         return DataProtoFuture(refs, self.backend_name, row_ranges=ranges, sources=sources,
-                               _dead_check=self._dead_check, _timeout_s=self._timeout_s)
+                               _guard=self._guard, _timeout_s=self._timeout_s)
 
 
 def _row_pieces(lengths: list[int], total: int, count: int | None = None) -> list[tuple[int, int, int]]:
@@ -155,11 +156,11 @@ class CallFuture:
     backend_name: str
     collect: Callable[[list], Any]
     timeout_s: float = DEFAULT_TIMEOUT_S
-    dead_check: DeadCheck | None = None
+    guard: HealthMonitor | None = None
 
     def get(self, timeout_s: float | None = None):
         backend = get_backend(self.backend_name)
-        return self.collect(backend.get(self.refs, self.sources, timeout_s or self.timeout_s, self.dead_check))
+        return self.collect(backend.get(self.refs, self.sources, timeout_s or self.timeout_s, self.guard))
 
 
 def materialize_concat(items: Sequence["DataProtoFuture | DataProto"], timeout_s: float | None = None) -> DataProto:

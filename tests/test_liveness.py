@@ -1,0 +1,213 @@
+"""Liveness: a frozen worker or a timed-out call fails within its bound and stops the cluster; restart() brings it back.
+
+Also: a busy worker is not taken for frozen, a DataProto method returning something else is named,
+Ray's colour codes stay out of error messages, and the settings load from a role's YAML.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from baton import Cluster, DataProto, Dispatch, Worker, WorkerConfig, create_colocated_clusters, register
+from baton.config import load_config
+from baton.distributed import CallTimeoutError, ClusterStoppedError, WorkerError, WorkerFrozenError
+from baton.pipelines.config import RoleConfig
+
+
+class Sleeper(Worker):
+    def __init__(self):
+        self.calls = 0
+
+    @register()
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def sleep_blocking(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(blocking=False)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register()
+    def spin(self, seconds: float) -> int:
+        """Pure Python for `seconds`: holds the GIL but lets other threads in at every switch interval."""
+        deadline, count = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            count += 1
+        return count
+
+    @register()
+    def matmul(self, seconds: float) -> int:
+        """One long stretch of torch ops in native code."""
+        a = torch.randn(256, 256)  # [256, 256]
+        deadline, count = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            a = torch.tanh(a @ a)
+            count += 1
+        return count
+
+    @register()
+    def count_call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    @register()
+    def divide(self, x: int) -> float:
+        return x / self.rank
+
+    @register(Dispatch.DP_COMPUTE)
+    def stats(self, data: DataProto) -> dict:
+        return {"loss": float(data.batch["x"].sum())}
+
+
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.ray
+def test_frozen_worker_fails_the_pending_call_within_its_bound_and_restart_recovers(make_manager):
+    config = WorkerConfig("frozen", world_size=2, heartbeat_timeout_s=2.0, health_check_interval_s=0.5)
+    with Cluster(Sleeper, config, make_manager("ray")) as cluster:
+        pids = cluster.pid()
+        threading.Timer(0.5, os.kill, (pids[1], signal.SIGSTOP)).start()
+        start = time.monotonic()
+        try:
+            with pytest.raises(WorkerFrozenError) as info:
+                cluster.sleep_blocking(60)
+            elapsed_s = time.monotonic() - start
+        finally:
+            _resume(pids[1])
+        error = info.value
+        assert (error.cluster, error.rank, error.method) == ("frozen", 1, "sleep_blocking")
+        # Stopped at 0.5 s, then silent for 2 s; a heartbeat round and a poll late at most; 2 s for a loaded machine.
+        assert elapsed_s < 0.5 + 2.0 + 0.5 + 0.5 + 2.0, f"frozen worker reported after {elapsed_s:.1f} s"
+        assert "worker frozen[rank 1] froze in sleep_blocking()" in str(error)
+        assert "no heartbeat answered for" in str(error) and "heartbeat_timeout_s=2" in str(error)
+        assert "restart()" in str(error) and error.died
+
+        with pytest.raises(ClusterStoppedError, match=r"cannot run pid\(\).*after frozen\[rank 1\]\.sleep_blocking froze"):
+            cluster.pid()
+        cluster.restart()
+        start = time.monotonic()
+        assert cluster.sleep_blocking(0) == 0
+        new_pids = cluster.pid()
+        assert time.monotonic() - start < 5
+        assert not set(new_pids) & set(pids)
+
+
+@pytest.mark.ray
+def test_busy_worker_is_not_taken_for_frozen(make_manager):
+    config = WorkerConfig("busy", world_size=1, heartbeat_timeout_s=1.0, health_check_interval_s=0.25)
+    with Cluster(Sleeper, config, make_manager("ray")) as cluster:
+        assert cluster.spin(2.5)[0] > 0
+        assert cluster.matmul(2.5)[0] > 0
+        assert cluster.sleep_blocking(1.5) == 0
+        assert cluster._group.monitor.check() is None
+
+
+@pytest.mark.ray
+def test_timed_out_call_does_not_block_the_next_call(make_manager):
+    config = WorkerConfig("slow", world_size=2, call_timeout_s=1.0)
+    with Cluster(Sleeper, config, make_manager("ray")) as cluster:
+        assert cluster.count_call() == [1, 1]
+        unfinished = cluster.sleep(30)
+        start = time.monotonic()
+        with pytest.raises(CallTimeoutError, match=r"slow\[rank 0\]\.sleep_blocking.*processes were stopped"):
+            cluster.sleep_blocking(30)
+        assert time.monotonic() - start < 5
+        # Nothing waits behind the stuck call: a result still pending on the stopped processes, and a new call,
+        # fail at once and say why.
+        start = time.monotonic()
+        with pytest.raises(ClusterStoppedError, match=r"slow\[rank 0\]\.sleep: the result is lost"):
+            unfinished.get()
+        with pytest.raises(ClusterStoppedError, match=r"cannot run count_call\(\).*after slow\[rank 0\]\.sleep_blocking timed out"):
+            cluster.count_call()
+        assert time.monotonic() - start < 2
+
+        cluster.restart()
+        start = time.monotonic()
+        assert cluster.count_call() == [1, 1]  # fresh workers: their state was rebuilt by the constructor
+        assert time.monotonic() - start < 2
+        with pytest.raises(WorkerError) as info:
+            cluster.divide(1)
+        assert (info.value.rank, info.value.method) == (0, "divide")
+        assert "ZeroDivisionError" in str(info.value)
+
+
+def test_restart_rebuilds_every_colocated_role_and_shutdown_is_final(make_manager):
+    # On Ray, the frozen and timeout tests above restart; here the contract, on the in-process backend.
+    views = create_colocated_clusters({"a": Sleeper, "b": Sleeper}, WorkerConfig("pair", world_size=2),
+                                      make_manager("local"))
+    try:
+        assert views["a"].count_call() == [1, 1] and views["b"].count_call() == [1, 1]
+        assert views["a"].count_call() == [2, 2]
+        views["b"].restart()  # the processes are shared: both roles are built again
+        assert views["a"].count_call() == [1, 1] and views["b"].count_call() == [1, 1]
+    finally:
+        views["a"].shutdown()
+    with pytest.raises(ClusterStoppedError, match=r"'b' cannot run count_call\(\).*by shutdown\(\)"):
+        views["b"].count_call()
+    with pytest.raises(ClusterStoppedError, match="was shut down and cannot restart"):
+        views["a"].restart()
+
+
+def test_blocking_dataproto_method_returning_a_dict_names_cluster_and_method(make_manager, backend):
+    data = DataProto.from_dict({"x": torch.arange(4.0).reshape(4, 1)})  # [4, 1]
+    with Cluster(Sleeper, WorkerConfig("stats", world_size=2), make_manager(backend)) as cluster:
+        with pytest.raises(TypeError) as info:
+            cluster.stats(data)
+        message = str(info.value)
+        assert "cluster 'stats' rank 0: Sleeper.stats is registered with a DataProto dispatch mode" in message
+        assert "returned a dict with keys ['loss']" in message
+        assert "Dispatch.DP_COMPUTE_METRIC" in message
+
+
+@pytest.mark.ray
+def test_worker_error_from_ray_has_no_colour_codes(make_manager):
+    with Cluster(Sleeper, WorkerConfig("plain", world_size=2), make_manager("ray")) as cluster:
+        with pytest.raises(WorkerError) as info:
+            cluster.divide(1)
+    assert "ray::" in str(info.value)  # Ray's own header, which it colours for terminals
+    assert "\x1b" not in str(info.value) and "\x1b" not in info.value.remote_traceback
+
+
+def test_colour_codes_are_stripped_from_every_worker_error():
+    error = WorkerError("c", 0, "m", "\x1b[36mray::WorkerHost.call()\x1b[39m (pid=1)\n\x1b[1;31mValueError\x1b[0m: no")
+    assert error.remote_traceback == "ray::WorkerHost.call() (pid=1)\nValueError: no"
+    assert "\x1b" not in str(error)
+
+
+def test_role_config_liveness_settings_load_from_yaml_and_reach_the_worker_config(tmp_path):
+    defaults = RoleConfig().worker_config("actor")
+    assert (defaults.call_timeout_s, defaults.heartbeat_timeout_s, defaults.health_check_interval_s) == (1800.0, 60.0, 2.0)
+    assert defaults.env_vars == {}
+
+    path = tmp_path / "actor.yaml"
+    path.write_text("call_timeout_s: 600\nheartbeat_timeout_s: 20\nhealth_check_interval_s: 1\n"
+                    "env_vars: {NCCL_DEBUG: INFO}\n")
+    role = load_config(RoleConfig, path, ["heartbeat_timeout_s=30"])
+    config = role.worker_config("actor")
+    assert (config.call_timeout_s, config.heartbeat_timeout_s, config.health_check_interval_s) == (600.0, 30.0, 1.0)
+    assert config.env_vars == {"NCCL_DEBUG": "INFO"}
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"heartbeat_timeout_s": 2.0, "health_check_interval_s": 2.0}, "heartbeat_timeout_s=2 must exceed health_check_interval_s=2"),
+    ({"call_timeout_s": 0.0}, "call_timeout_s=0.0 must be > 0"),
+    ({"health_check_interval_s": -1.0}, "0 turns the heartbeat off"),
+])
+def test_bad_liveness_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig("actor", world_size=1, **settings)
