@@ -72,7 +72,7 @@ def test_more_workers_than_the_machine_has_cpus_is_refused_before_ray(tmp_path, 
     monkeypatch.delitem(sys.modules, "ray", raising=False)  # as in a fresh `baton run`: no Ray running yet
     config = sft_config(tmp_path, world_size=2)
     config.actor.strategy.name = "fsdp2"
-    with pytest.raises(ConfigError, match=r"need 3 CPU\(s\): 2 device slot\(s\) .* and 1 for reward workers, but a local "
+    with pytest.raises(ConfigError, match=r"need 3 CPU\(s\): 2 device slot\(s\) .* and 1 for CPU-only workers \(reward: 1 × 1\), but a local "
                                           r"Ray instance with trainer.num_cpus=2 has 2"):
         check_machine(config, TrainerConfig(num_cpus=2))
     check_machine(config, TrainerConfig(num_cpus=3))

@@ -173,7 +173,7 @@ class ResourceManager:
                     f"{len(here)} worker processes on node {node} run up to {num_threads} torch threads at once "
                     f"(processes that share a device slot counted once), but the node has {num_cores} CPU core(s): they "
                     "compete for the cores, so steps run slower and their timings vary. Give the roles fewer threads "
-                    "(num_threads_per_worker) or fewer workers (world_size, num_reward_workers), or run on more cores",
+                    "(num_threads_per_worker) or fewer workers (world_size; for reward workers reward.world_size), or run on more cores",
                     OversubscriptionWarning, stacklevel=2,
                 )
                 return

@@ -29,7 +29,7 @@ from baton.config import dump_yaml, import_object, ray_runtime_env, record_impor
 from baton.datasets import PromptSampler
 from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec, create_clusters_parallel
 from baton.distributed.worker import usable_cpu_count
-from baton.pipelines.config import RoleConfig, TrainerConfig
+from baton.pipelines.config import TrainerConfig, WorkerSettings
 from baton.pipelines.data import load_datasets
 from baton.pipelines.preflight import check_roles
 from baton.tracking import Tracker, plot_run
@@ -161,7 +161,7 @@ class Pipeline:
 
     # --- building -----------------------------------------------------------------------------
 
-    def create_clusters(self, roles: dict[str, tuple[type, RoleConfig, tuple]],
+    def create_clusters(self, roles: dict[str, tuple[type, WorkerSettings, tuple]],
                         fused: dict[str, list[str]] | None = None) -> dict[str, Cluster]:
         """Build several role clusters at once, their processes starting together: name → (default worker class,
         role config, constructor args). fused: group name → roles that share one process per slot, laid out by
@@ -331,9 +331,9 @@ class Pipeline:
         self.manager.shutdown()
 
 
-def device_roles(config) -> dict[str, RoleConfig]:
+def device_roles(config) -> dict[str, WorkerSettings]:
     return {name: value for name, value in vars(config).items()
-            if isinstance(value, RoleConfig) and value.num_devices_per_worker > 0}
+            if isinstance(value, WorkerSettings) and value.num_devices_per_worker > 0}
 
 
 def devices_needed(config, num_nodes: int = 1) -> int:

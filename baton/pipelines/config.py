@@ -20,10 +20,10 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 @dataclass
-class RoleConfig:
-    """One role's cluster: which devices, how many workers, which strategy."""
+class WorkerSettings:
+    """How one role's workers run: how many, on which devices, with which limits and environment. A CPU-only role
+    (reward) is just this; a model role (`RoleConfig`) adds its strategy."""
 
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     world_size: int | None = None
     device_mapping: list[int] | None = None
     num_devices_per_worker: int = 1  # 0: a CPU-only worker, placed outside the device slots
@@ -51,6 +51,17 @@ class RoleConfig:
                             heartbeat_timeout_s=self.heartbeat_timeout_s,
                             health_check_interval_s=self.health_check_interval_s)
 
+    def num_workers(self, name: str) -> int:
+        """Workers in cluster `name` of this role; a layout that contradicts itself raises LayoutError with the fix."""
+        return self.worker_config(name).resolve_world_size(None)[0]
+
+
+@dataclass
+class RoleConfig(WorkerSettings):
+    """One model role's cluster: its workers (see `WorkerSettings`) and its strategy."""
+
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
     def with_run_schedule(self, num_updates: int) -> "RoleConfig":
         """This role, its decaying lr schedule spanning `num_updates` optimizer steps when it sets no total_steps."""
         scheduler = self.strategy.scheduler
@@ -59,9 +70,9 @@ class RoleConfig:
         scheduler = dataclasses.replace(scheduler, total_steps=num_updates)
         return dataclasses.replace(self, strategy=dataclasses.replace(self.strategy, scheduler=scheduler))
 
-    def num_workers(self, name: str) -> int:
-        """Workers in cluster `name` of this role; a layout that contradicts itself raises LayoutError with the fix."""
-        return self.worker_config(name).resolve_world_size(None)[0]
+
+def _reward_workers() -> WorkerSettings:
+    return WorkerSettings(world_size=1, num_devices_per_worker=0)
 
 
 @dataclass
@@ -182,7 +193,7 @@ class RLVRConfig:
     colocate_actor_rollout: bool = False  # one process per device holds both; sync shares tensors
     reward_fn: str = "exact_match"
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
-    num_reward_workers: int = 1
+    reward: WorkerSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
@@ -251,6 +262,7 @@ class SFTConfig:
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     reward_fn: str = "exact_match"  # scores validation
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
+    reward: WorkerSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))
 
     def with_run_schedules(self) -> "SFTConfig":

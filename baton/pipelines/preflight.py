@@ -12,7 +12,7 @@ import sys
 
 from baton.config import ConfigError
 from baton.distributed.worker import usable_cpu_count
-from baton.pipelines.config import MODEL_ROLES, RoleConfig, TrainerConfig
+from baton.pipelines.config import MODEL_ROLES, RoleConfig, TrainerConfig, WorkerSettings
 from baton.strategy import StrategyConfig, strategy_class
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
@@ -105,15 +105,18 @@ def check_machine(config, trainer: TrainerConfig) -> None:
                  f"a local Ray instance on the {cpus} core(s) this process may use")
     num_nodes = trainer.num_nodes or 1
     slots = (trainer.num_devices_per_node or devices_needed(config, num_nodes)) * num_nodes
-    reward_cpus = float(getattr(config, "num_reward_workers", 1))  # both pipelines score with CPU-only reward workers
+    cpu_only = {name: role for name, role in vars(config).items()
+                if isinstance(role, WorkerSettings) and role.num_devices_per_worker == 0}
+    cpu_only_cpus = sum(role.num_workers(name) * role.num_cpus_per_worker for name, role in cpu_only.items())
     if gpus and slots > gpus:
         raise ConfigError(f"the roles need {slots} GPU(s) ({describe_roles(config)}) but {where} has {gpus:g}; "
                           "lower their world_size / device_mapping")
-    needed = reward_cpus + slots  # a slot is a CPU, or a GPU whose worker takes one CPU beside it
+    needed = cpu_only_cpus + slots  # a slot is a CPU, or a GPU whose worker takes one CPU beside it
     if needed > cpus:
+        workers = ", ".join(f"{name}: {role.num_workers(name)} × {role.num_cpus_per_worker:g}" for name, role in cpu_only.items())
         raise ConfigError(
-            f"the roles need {needed:g} CPU(s): {slots} device slot(s) ({describe_roles(config)}) and {reward_cpus:g} "
-            f"for reward workers, but {where} has {cpus:g}. Lower world_size / num_reward_workers, or set "
+            f"the roles need {needed:g} CPU(s): {slots} device slot(s) ({describe_roles(config)}) and {cpu_only_cpus:g} "
+            f"for CPU-only workers ({workers}), but {where} has {cpus:g}. Lower their world_size, or set "
             "trainer.num_cpus to start Ray with more logical CPUs (slower: the workers then share cores)")
 
 

@@ -31,8 +31,8 @@ class RLVRPipeline(Pipeline):
         algo = config.algorithm
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         roles = {**policy_roles(config.actor, config.rollout),
-                 "reward": (RewardWorker, _cpu_role(config.num_reward_workers), (config.reward_fn, config.actor.strategy.tokenizer,
-                                                                             config.reward_on_error))}
+                 "reward": (RewardWorker, config.reward, (config.reward_fn, config.actor.strategy.tokenizer,
+                                                          config.reward_on_error))}
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
@@ -183,12 +183,6 @@ class SignalWatch:
             "sample already succeeds).")
         tqdm.write(message, file=sys.stderr)
         return message
-
-
-def _cpu_role(world_size: int):
-    from baton.pipelines.config import RoleConfig
-
-    return RoleConfig(world_size=world_size, num_devices_per_worker=0)
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

@@ -24,10 +24,9 @@ class SFTPipeline(Pipeline):
         rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
                              device_mapping=(config.actor.device_mapping or [0])[:1])
         colocate = config.actor.strategy.name == "hf"
-        reward = RoleConfig(world_size=1, num_devices_per_worker=0)
         clusters = self.create_clusters({**policy_roles(config.actor, rollout),
-                                         "reward": (RewardWorker, reward, (config.reward_fn, config.actor.strategy.tokenizer,
-                                                                           config.reward_on_error))},
+                                         "reward": (RewardWorker, config.reward, (config.reward_fn, config.actor.strategy.tokenizer,
+                                                                                  config.reward_on_error))},
                                         fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]

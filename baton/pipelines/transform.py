@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from baton import DataProto, Dispatch, Worker, register
 from baton.pipelines.base import Pipeline
-from baton.pipelines.config import RoleConfig, TrainerConfig
+from baton.pipelines.config import TrainerConfig, WorkerSettings
 
 VOCAB = "<pad>0123456789+=".split("<pad>")[1]  # ids 1.. for these characters; 0 is padding
 
@@ -84,10 +84,10 @@ class TransformPipeline(Pipeline):
     def __init__(self, config: TransformConfig):
         super().__init__(config, config.trainer)
         clusters = self.create_clusters({
-            "encoder": (Encoder, RoleConfig(world_size=config.num_encoders, num_devices_per_worker=0,
-                                            num_cpus_per_worker=0.5), ()),
-            "evaluator": (Evaluator, RoleConfig(world_size=config.num_evaluators, num_devices_per_worker=0,
+            "encoder": (Encoder, WorkerSettings(world_size=config.num_encoders, num_devices_per_worker=0,
                                                 num_cpus_per_worker=0.5), ()),
+            "evaluator": (Evaluator, WorkerSettings(world_size=config.num_evaluators, num_devices_per_worker=0,
+                                                    num_cpus_per_worker=0.5), ()),
         })
         self.encoders, self.evaluators = clusters["encoder"], clusters["evaluator"]
 
