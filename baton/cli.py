@@ -167,9 +167,9 @@ def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
 
 def _run_failures() -> tuple[type, ...]:
     """The failures reported in one line (imported when one is caught: importing them imports torch)."""
-    from baton.distributed import CallTimeoutError, WorkerError
+    from baton.distributed import CallTimeoutError, ClusterStoppedError, WorkerError
 
-    return (WorkerError, CallTimeoutError, OSError, ValueError)
+    return (WorkerError, CallTimeoutError, ClusterStoppedError, OSError, ValueError)
 
 
 def one_line(exc: BaseException) -> str:
@@ -177,7 +177,7 @@ def one_line(exc: BaseException) -> str:
     from baton.distributed import WorkerError
 
     if isinstance(exc, WorkerError):
-        what = "died" if exc.died else "raised"
+        what = exc.what  # raised, died or froze
         cause = exc.__cause__  # the worker's own exception, where it could be sent back
         if cause is not None:
             reason = f"{type(cause).__name__}: {' '.join(str(cause).split())}"
