@@ -146,10 +146,16 @@ def read_prompts(path: str | None) -> list[str]:
 
 
 def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
-    """Run the pipeline on the cluster at `ray_address` (None: the pipeline starts a local Ray); Ray is shut down after."""
+    """Run the pipeline on the cluster at `ray_address` (None: the pipeline starts a local Ray). The connection this
+    command made (or the local Ray the pipeline started) is shut down after; a Ray that was already up stays up."""
     from baton.pipelines.base import run_pipeline
 
-    if ray_address:
+    def ray_is_up() -> bool:
+        ray = sys.modules.get("ray")
+        return ray is not None and ray.is_initialized()
+
+    already_up = ray_is_up()
+    if ray_address and not already_up:
         import ray
 
         from baton.config import ray_runtime_env
@@ -158,9 +164,8 @@ def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
     try:
         return run_pipeline(pipeline_cls, config)
     finally:
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()
+        if ray_is_up() and not already_up:
+            sys.modules["ray"].shutdown()
 
 
 # --- failures: one line and the next step on the terminal, the traceback in the run directory -------------------

@@ -9,7 +9,6 @@ import pytest
 
 from baton.cli import resolve
 from baton.config import ConfigError
-from baton.distributed import LayoutError
 from baton.pipelines.base import run_pipeline as run
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.rlvr import RLVRPipeline
@@ -113,10 +112,11 @@ def test_more_devices_than_the_cluster_has_fail_before_any_worker_starts(tmp_pat
     import ray
 
     config = tiny_grpo(tmp_path, num_steps=1, backend="ray")
-    config.actor = RoleConfig(strategy=config.actor.strategy, world_size=64)
-    config.trainer.num_prompts_per_step = 64
+    config.rollout = RoleConfig(strategy=config.rollout.strategy, world_size=64)
+    config.colocate_actor_rollout = False
     actors_before = len(ray.util.list_named_actors(all_namespaces=True))
-    with pytest.raises(LayoutError, match=r"The roles ask for 64 device slot\(s\) per node \(actor: 64 worker\(s\).*lower"):
+    with pytest.raises(ConfigError, match=r"the roles need 65 CPU\(s\): 64 device slot\(s\) \(.*rollout: 64 worker\(s\).*but "
+                                          r"the running Ray instance has 14"):
         RLVRPipeline(config)
     assert len(ray.util.list_named_actors(all_namespaces=True)) == actors_before
 
