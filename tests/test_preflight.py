@@ -145,3 +145,15 @@ def test_a_local_ray_instance_listens_on_loopback_with_rays_own_authentication()
     node_ip, gcs_address, auth_mode = out.stdout.split()[-3:]
     assert node_ip == "127.0.0.1" and gcs_address.startswith("127.0.0.1:")
     assert auth_mode != "disabled"  # left as Ray sets it
+
+
+def test_bad_data_is_refused_before_the_run_directory_or_ray(tmp_path):
+    from baton.datasets.files import DataError
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n\n"just a string"\n')
+    config = sft_config(tmp_path / "run")
+    config.data = DataConfig(task="files", train_path=str(train))
+    with pytest.raises(DataError, match=r"train.jsonl, line 3: a row must be a JSON object"):
+        SFTPipeline(config)
+    assert not (tmp_path / "run").exists()
