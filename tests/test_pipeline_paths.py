@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from baton.cli import resolve
 from baton.pipelines.base import checkpoint_path, run_pipeline
 from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
-from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.tracking.tracker import read_metrics
 
@@ -75,11 +75,16 @@ def test_several_epochs_and_mini_batches_use_old_log_probs_and_step_off_policy(t
     assert record["actor/ppo_kl"] != 0.0  # the last of 4 updates sees weights 3 updates past the old log-probs
 
 
-def test_sync_every_k_steps_syncs_only_on_those_steps(tmp_path):
-    run_pipeline(RLVRPipeline, tiny_rlvr(tmp_path, num_steps=4, colocate_actor_rollout=False,
-                                         trainer=dict(sync_every_steps=2)))
-    synced = [r["step"] for r in metrics_of(tmp_path) if "timing_s/sync" in r]
-    assert synced == [2, 4]
+def test_sync_every_k_steps_syncs_only_on_those_steps_and_measures_the_stale_gap(tmp_path):
+    with pytest.warns(StaleSamplesWarning, match="sync_every_steps=2: the rollout samples with weights up to 1 update"):
+        run_pipeline(RLVRPipeline, tiny_rlvr(tmp_path, num_steps=4, colocate_actor_rollout=False,
+                                             trainer=dict(sync_every_steps=2)))
+    records = metrics_of(tmp_path)
+    assert [r["step"] for r in records if "timing_s/sync" in r] == [2, 4]
+    gap = [r["rollout/logprob_diff/mean"] for r in records]
+    # Steps 1 and 3 sample with the actor's weights (numerics only); steps 2 and 4 with weights one update old.
+    assert max(gap[0], gap[2]) < 1e-4 < min(gap[1], gap[3]), gap
+    assert records[1]["rollout/is_ratio/max"] > 1.0 > records[1]["rollout/is_ratio/min"]
 
 
 @pytest.mark.parametrize("name, overrides", [

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from baton.algorithms import apply_kl_penalty, compute_advantages, loss_unit
@@ -50,10 +52,18 @@ class RLVRPipeline(Pipeline):
         self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode)
         self.signal_watch = SignalWatch(algo.adv_estimator) if algo.adv_estimator in GROUP_ESTIMATORS else None
         # One update per batch is on-policy: the loss detaches the current log-probs instead (as TRL does).
-        # Several epochs or mini-batches move the weights between updates, and the KL reward penalty
-        # needs the log-probs before the update.
+        # Several epochs or mini-batches move the weights between updates, the KL reward penalty needs the
+        # log-probs before the update, and with sync_every_steps > 1 they measure how far the rollout's older
+        # weights are from the actor's (rollout/logprob_diff).
+        stale = config.trainer.sync_every_steps > 1 and not config.colocate_actor_rollout  # colocated: shared tensors
         self.needs_old_log_probs = (algo.num_ppo_epochs > 1 or algo.num_mini_batches_per_step > 1
-                                    or algo.use_kl_in_reward)
+                                    or algo.use_kl_in_reward or stale)
+        if stale:
+            warnings.warn(
+                f"trainer.sync_every_steps={config.trainer.sync_every_steps}: the rollout samples with weights up to "
+                f"{config.trainer.sync_every_steps - 1} update(s) older than the actor's, and the loss does not correct "
+                "for it (its ratio is against the actor's own log-probs); rollout/logprob_diff/mean and max show the "
+                "gap. Use sync_every_steps=1 for on-policy training", StaleSamplesWarning, stacklevel=2)
         self.maybe_resume()
 
     def next_prompts(self) -> DataProto:
@@ -137,6 +147,8 @@ class RLVRPipeline(Pipeline):
             "response/stop_ratio": float(np.mean(batch.non_tensor_batch["finish_reason"] == "stop")),
             "perf/throughput": float(data["attention_mask"].sum()) / step_s,
         }
+        if "old_log_probs" in data and "rollout_log_probs" in data:
+            metrics.update(logprob_gap(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
         if self.signal_watch is not None:  # group estimators: the share of groups that teach nothing
             scores, uids = data["scores"].numpy(), batch.non_tensor_batch["uid"]
             metrics["critic/frac_reward_zero_std"] = zero_std_group_fraction(scores, uids)
@@ -145,6 +157,23 @@ class RLVRPipeline(Pipeline):
     def validate(self) -> dict[str, float]:
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
+
+
+class StaleSamplesWarning(UserWarning):
+    """Training uses samples from weights older than the actor's, without an importance-sampling correction."""
+
+
+def logprob_gap(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout's log-probs of its samples are from the actor's (before the update), over response
+    tokens: |difference| mean and max, and the spread of the token-level ratio p_actor / p_rollout. Nonzero from
+    numerics alone (another kernel, batch shape or dtype); large when the rollout's weights are stale."""
+    real = mask.bool()
+    diff = (actor_log_probs - rollout_log_probs)[real]  # [tokens]
+    if not diff.numel():
+        return {}
+    ratio = diff.exp()
+    return {"rollout/logprob_diff/mean": float(diff.abs().mean()), "rollout/logprob_diff/max": float(diff.abs().max()),
+            "rollout/is_ratio/min": float(ratio.min()), "rollout/is_ratio/max": float(ratio.max())}
 
 
 def zero_std_group_fraction(scores: np.ndarray, uids: np.ndarray) -> float:
@@ -190,4 +219,4 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {(k if "/" in k else prefix + k): v for k, v in metrics.items()}
 
 
-__all__ = ["RLVRPipeline", "SignalWatch", "zero_std_group_fraction"]
+__all__ = ["RLVRPipeline", "SignalWatch", "StaleSamplesWarning", "logprob_gap", "zero_std_group_fraction"]
