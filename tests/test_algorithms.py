@@ -180,6 +180,7 @@ ESTIMATOR_INPUTS = dict(
     token_level_rewards=T([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.2, 0.0]]),
     values=T([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0], [0.6, 0.0, 0.0], [0.7, 0.8, 0.0]]),
     response_mask=RAGGED_MASK, index=np.array(["u", "u", "v", "v"]), gamma=0.9, lam=0.95,
+    reward_baselines=T([0.5, 0.5, 0.0, 0.0]),
 )
 
 
@@ -289,7 +290,7 @@ def test_agg_loss_modes_on_ragged_mask(mode, expected, expected_sum, unit):
 
 def test_agg_loss_unknown_mode():
     with pytest.raises(ValueError, match="valid: .*'seq-mean-token-mean'.*'token-mean'"):
-        agg_loss(LOSS_MAT, AGG_MASK, "token-sum")
+        agg_loss(LOSS_MAT, AGG_MASK, "seq-sum")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         agg_loss_sum(LOSS_MAT, AGG_MASK, "mean")
 

@@ -4,21 +4,47 @@ estimators, loss aggregation and masked statistics. Tensors are [batch, response
 
 from baton.algorithms.advantages import (
     ADV_ESTIMATORS,
+    EstimatorNeeds,
     compute_advantages,
+    estimator_needs,
     gae,
     get_adv_estimator,
+    gpg,
     grpo,
+    grpo_passk,
+    opo,
     register_adv_estimator,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
+    remax,
     rloo,
 )
-from baton.algorithms.aggregation import LOSS_AGG_UNITS, agg_loss, agg_loss_sum, loss_unit, num_loss_units
-from baton.algorithms.kl import KL_ESTIMATORS, apply_kl_penalty, get_kl_estimator, kl_penalty, register_kl_estimator
+from baton.algorithms.aggregation import (
+    LOSS_AGG_UNITS,
+    LOSS_UNITS,
+    agg_loss,
+    agg_loss_sum,
+    count_loss_units,
+    loss_unit,
+    num_loss_units,
+)
+from baton.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    apply_kl_penalty,
+    get_kl_estimator,
+    kl_penalty,
+    register_kl_estimator,
+)
 from baton.algorithms.losses import (
     POLICY_LOSSES,
+    cispo_loss,
+    clip_cov_loss,
     entropy_loss,
     get_policy_loss,
+    gpg_loss,
+    gspo_loss,
+    kl_cov_loss,
     ppo_clip_loss,
     register_policy_loss,
     value_loss,
@@ -26,9 +52,11 @@ from baton.algorithms.losses import (
 from baton.algorithms.utils import masked_mean, masked_var, masked_whiten
 
 __all__ = [
-    "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "POLICY_LOSSES", "agg_loss", "agg_loss_sum",
-    "apply_kl_penalty", "compute_advantages", "entropy_loss", "gae", "get_adv_estimator", "get_kl_estimator",
-    "get_policy_loss", "grpo", "kl_penalty", "loss_unit", "masked_mean", "masked_var", "masked_whiten",
-    "num_loss_units", "ppo_clip_loss", "register_adv_estimator", "register_kl_estimator", "register_policy_loss",
-    "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "value_loss",
+    "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES", "AdaptiveKLController",
+    "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty", "cispo_loss", "clip_cov_loss",
+    "compute_advantages", "count_loss_units", "entropy_loss", "estimator_needs", "gae", "get_adv_estimator",
+    "get_kl_estimator", "get_policy_loss", "gpg", "gpg_loss", "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss",
+    "kl_penalty", "loss_unit", "masked_mean", "masked_var", "masked_whiten", "num_loss_units", "opo",
+    "ppo_clip_loss", "register_adv_estimator", "register_kl_estimator", "register_policy_loss",
+    "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "value_loss",
 ]

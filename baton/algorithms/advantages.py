@@ -1,6 +1,10 @@
 """Advantage estimators: name → `fn(...) -> (advantages, returns)`, both [batch, response_len] and 0 off the mask.
 
-Semantics follow verl's `core_algos` (GAE, GRPO, RLOO, REINFORCE++ and its group-baseline form),
+Each estimator declares what the pipeline must provide (`estimator_needs(name)`): a critic's
+values, groups of samples per prompt, or the reward of a baseline (greedy) rollout.
+
+Semantics follow verl's `core_algos` (GAE, GRPO, GRPO pass@k, RLOO, OPO, GPG, ReMax, REINFORCE++
+and its group-baseline form),
 with one deliberate difference: a sequence's score is the sum of its rewards over the response
 mask only, so nothing under the mask (padding) reaches any result.
 """
@@ -8,6 +12,7 @@ mask only, so nothing under the mask (padding) reaches any result.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -16,20 +21,38 @@ import torch
 from baton.algorithms.utils import group_ids, masked, masked_whiten
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 GroupIndex = Sequence | np.ndarray | torch.Tensor
 
 
-def register_adv_estimator(name: str):
-    """Decorator: make an advantage estimator available by name."""
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs from the pipeline beyond rewards and the response mask."""
+
+    critic: bool = False  # `values` from a critic model
+    groups: bool = False  # `index`, with several samples per prompt (rollout n >= 2) to be useful
+    baseline_rollout: bool = False  # `reward_baselines` [batch]: the reward of a greedy rollout per prompt
+
+
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+ADV_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
+
+
+def register_adv_estimator(name: str, needs: EstimatorNeeds = EstimatorNeeds()):
+    """Decorator: make an advantage estimator available by name, with what it needs."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADV_ESTIMATORS[name] = fn
+        ADV_ESTIMATOR_NEEDS[name] = needs
         return fn
 
     return decorator
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    get_adv_estimator(name)
+    return ADV_ESTIMATOR_NEEDS[name]
 
 
 def get_adv_estimator(name: str) -> AdvantageFn:
@@ -74,7 +97,7 @@ def _broadcast(seq_values: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     return masked(seq_values.unsqueeze(-1).expand(response_mask.shape), response_mask)
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", EstimatorNeeds(critic=True))
 @torch.no_grad()
 def gae(
     token_level_rewards: torch.Tensor,  # [batch, response_len]
@@ -107,7 +130,7 @@ def gae(
     return advantages, returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", EstimatorNeeds(groups=True))
 @torch.no_grad()
 def grpo(
     token_level_rewards: torch.Tensor,  # [batch, response_len]
@@ -125,7 +148,7 @@ def grpo(
     return advantages, advantages
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", EstimatorNeeds(groups=True))
 @torch.no_grad()
 def rloo(
     token_level_rewards: torch.Tensor,  # [batch, response_len]
@@ -161,7 +184,7 @@ def reinforce_plus_plus(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", EstimatorNeeds(groups=True))
 @torch.no_grad()
 def reinforce_plus_plus_baseline(
     token_level_rewards: torch.Tensor,  # [batch, response_len]
@@ -174,3 +197,96 @@ def reinforce_plus_plus_baseline(
     mean, _, _ = _group_stats(scores, index)
     advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
     return advantages, advantages
+
+
+@register_adv_estimator("grpo_passk", EstimatorNeeds(groups=True))
+@torch.no_grad()
+def grpo_passk(
+    token_level_rewards: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    index: GroupIndex,  # [batch]
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (arXiv 2503.19595, verl): in each group only the best sample gets an advantage,
+    best score - second-best score, divided by (group std + epsilon) when `norm_adv_by_std`; all
+    others get 0. Among tied best scores the first in batch order is the best (verl leaves the
+    choice to `torch.topk`); the advantage is then 0 anyway. Every group needs >= 2 samples.
+    returns = advantages."""
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    group, num_groups = group_ids(index, scores.shape[0])
+    seq_adv = torch.zeros_like(scores)
+    for g in range(num_groups):
+        rows = (group == g).nonzero().squeeze(-1).to(scores.device)
+        if rows.numel() < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per prompt, group {g} has {rows.numel()}; set rollout n >= 2"
+            )
+        group_scores = scores[rows]
+        best = int(group_scores.argmax())
+        second = group_scores[torch.arange(rows.numel(), device=scores.device) != best].max()
+        advantage = group_scores[best] - second
+        seq_adv[rows[best]] = advantage / (group_scores.std() + epsilon) if norm_adv_by_std else advantage
+    advantages = _broadcast(seq_adv, response_mask)
+    return advantages, advantages
+
+
+@register_adv_estimator("opo", EstimatorNeeds(groups=True))
+@torch.no_grad()
+def opo(
+    token_level_rewards: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    index: GroupIndex,  # [batch]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy RL with the optimal baseline (arXiv 2505.23585, verl): score minus its group's
+    length-weighted mean score, Σ len_j·score_j / Σ len_j with len = valid response tokens. A group
+    of one (or of empty responses only) has baseline 0. returns = advantages."""
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    lengths = response_mask.bool().to(scores.dtype).sum(-1)  # [batch]
+    group, num_groups = group_ids(index, scores.shape[0])
+    group = group.to(scores.device)
+    size = torch.bincount(group, minlength=num_groups)
+    weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group, lengths * scores)
+    total_len = torch.zeros_like(weighted).index_add_(0, group, lengths)
+    baseline = torch.where((size > 1) & (total_len > 0), weighted / total_len.clamp(min=1), torch.zeros_like(weighted))
+    advantages = _broadcast(scores - baseline[group], response_mask)
+    return advantages, advantages
+
+
+@register_adv_estimator("gpg", EstimatorNeeds(groups=True))
+@torch.no_grad()
+def gpg(
+    token_level_rewards: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    index: GroupIndex,  # [batch]
+    f_norm: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group Policy Gradient (arXiv 2504.02546, verl): α·(score - group mean) / f_norm, where
+    α = batch size / number of samples with a non-zero score (1 of them at least), which scales up
+    batches where few samples are rewarded. A group of one has mean 0. returns = advantages."""
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    mean, _, _ = _group_stats(scores, index)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    advantages = _broadcast(alpha * (scores - mean) / f_norm, response_mask)
+    return advantages, advantages
+
+
+@register_adv_estimator("remax", EstimatorNeeds(baseline_rollout=True))
+@torch.no_grad()
+def remax(
+    token_level_rewards: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    reward_baselines: torch.Tensor,  # [batch], the reward of the greedy response to the same prompt
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (arXiv 2310.10505, verl): returns are the undiscounted reward-to-go over the valid
+    tokens; advantages are returns minus the row's baseline reward."""
+    if reward_baselines.shape != token_level_rewards.shape[:1]:
+        raise ValueError(
+            f"reward_baselines has shape {tuple(reward_baselines.shape)}, expected [{token_level_rewards.shape[0]}]: "
+            "one greedy-rollout reward per row"
+        )
+    rewards = masked(token_level_rewards, response_mask)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    returns = masked(returns, response_mask)
+    advantages = _broadcast(reward_baselines.to(returns.dtype), response_mask)
+    return masked(returns - advantages, response_mask), returns

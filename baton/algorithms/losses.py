@@ -3,7 +3,10 @@
 
 Each returns `agg_loss` of its per-token loss; inside a strategy loss function that wants the
 sum form, multiply by `num_loss_units(response_mask, loss_agg_mode)` (see `aggregation`).
-Metrics are Python floats computed over the valid tokens.
+Metrics are Python floats computed over the valid tokens. Names follow verl's `policy_loss.loss_mode`:
+"vanilla" (PPO clip, also "ppo_clip"), "gspo", "cispo", "gpg", "clip_cov", "kl_cov". Every loss
+honours the `loss_agg_mode` it is given, so the strategy's normaliser (`loss_unit(loss_agg_mode)`)
+always matches.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
+def _log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    return (log_probs - old_log_probs).clamp(min=-20.0, max=20.0)  # keeps exp finite
+
+
+@register_policy_loss("vanilla")
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
@@ -47,8 +55,9 @@ def ppo_clip_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with dual clip (verl semantics), r = exp(log_probs - old_log_probs):
+    """PPO clipped surrogate with dual clip (verl's "vanilla"), r = exp(log_probs - old_log_probs):
 
         loss = max(-A·r, -A·clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))   when A >= 0
         loss = min(that, -A·clip_ratio_c)                                        when A < 0
@@ -61,7 +70,7 @@ def ppo_clip_loss(
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO (got {clip_ratio_c}); the usual value is 3.0")
     log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
     advantages = masked(advantages, response_mask)
-    log_ratio = (log_probs - old_log_probs).clamp(min=-20.0, max=20.0)  # keeps exp finite
+    log_ratio = _log_ratio(log_probs, old_log_probs)
     ratio = log_ratio.exp()
     losses = -advantages * ratio
     losses_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -76,7 +85,179 @@ def ppo_clip_loss(
             "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
             "pg_clipfrac_lower": float(masked_mean(dual_clipped.float(), response_mask)),
         }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
+    old_log_probs: torch.Tensor,  # [batch, response_len]
+    advantages: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (arXiv 2507.18071): PPO's clipped surrogate on the sequence-level ratio
+    s = exp(mean over the valid tokens of (log_probs - old_log_probs)). Per token the ratio is
+    sg(s)·π/sg(π), so its value is s and its gradient flows through each token's log-prob; the log
+    ratio is capped at 10 and there is no dual clip, as in verl. The defaults are the paper's clip
+    ranges (verl takes them from the actor's clip_ratio settings).
+
+    Differs from verl: verl always aggregates with "seq-mean-token-mean" whatever `loss_agg_mode`
+    says; here the given mode is used so that it matches the strategy's normaliser. Configure
+    "seq-mean-token-mean" for verl's GSPO. Metrics: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower` (0).
+    """
+    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
+    advantages = masked(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # [batch]
+    token_log_ratio = (log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = token_log_ratio.exp()
+    losses = -advantages * ratio
+    losses_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = torch.maximum(losses, losses_clipped)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": float(masked_mean((losses_clipped > losses).float(), response_mask)),
+            "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
+            "pg_clipfrac_lower": 0.0,
+        }
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
+    old_log_probs: torch.Tensor,  # [batch, response_len]
+    advantages: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585), as verl: loss = -sg(clip(r, 1 - low, 1 + high))·A·log π,
+    so every token keeps a gradient (through log π) and the clipped importance weight only scales
+    it. Metrics: `pg_clipfrac` (share of tokens whose weight is clipped), `ppo_kl`, `pg_clipfrac_lower` (0).
+    """
+    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
+    advantages = masked(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high).detach()
+    pg_losses = -weight * advantages * log_probs
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": float(masked_mean((ratio != weight).float(), response_mask)),
+            "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
+            "pg_clipfrac_lower": 0.0,
+        }
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+
+
+@register_policy_loss("gpg")
+def gpg_loss(
+    log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
+    old_log_probs: torch.Tensor,  # [batch, response_len], unused: GPG has no importance ratio
+    advantages: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG (arXiv 2504.02546), as verl: the plain policy gradient loss -A·log π, no ratio, no clip
+    (pair it with the "gpg" advantage estimator). No metrics."""
+    pg_losses = -masked(advantages, response_mask) * masked(log_probs, response_mask)
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), {}
+
+
+def _token_covariance(advantages: torch.Tensor, log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean A)·(log π - mean log π) per token, means over the batch's valid tokens; no gradient."""
+    log_probs = log_probs.detach()
+    return (advantages - masked_mean(advantages, response_mask)) * (log_probs - masked_mean(log_probs, response_mask))
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(
+    log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
+    old_log_probs: torch.Tensor,  # [batch, response_len]
+    advantages: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (arXiv 2505.22617, verl): PPO's clipped surrogate (no dual clip), except that up to
+    max(1, int(clip_cov_ratio · valid tokens)) tokens, drawn at random among the valid tokens the
+    ratio clip does not bind on and whose covariance (A - mean A)·(log π - mean log π) lies strictly
+    inside (clip_cov_lb, clip_cov_ub), get no gradient (their loss is multiplied by 0).
+    `generator` seeds the draw (verl uses the global RNG). Differs from verl: the log ratio is
+    clamped to ±20 before exp, as in `ppo_clip_loss`. Metrics: `pg_clipfrac` (share of tokens
+    detached this way), `ppo_kl`.
+    """
+    if clip_cov_ratio <= 0:
+        raise ValueError(f"clip_cov_ratio must be > 0 (got {clip_cov_ratio}); the usual value is 2e-4")
+    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
+    advantages = masked(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    ratio = log_ratio.exp()
+    losses = -advantages * ratio
+    losses_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    with torch.no_grad():
+        valid = response_mask.bool()
+        cov = _token_covariance(advantages, log_probs, response_mask)
+        candidates = (valid & ~(losses_clipped > losses) & (cov > clip_cov_lb) & (cov < clip_cov_ub)).nonzero()
+        num_detached = max(int(clip_cov_ratio * int(valid.sum())), 1)
+        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:num_detached].to(candidates.device)]
+        keep = torch.ones_like(advantages)
+        keep[chosen[:, 0], chosen[:, 1]] = 0.0
+        metrics = {
+            "pg_clipfrac": float(masked_mean((keep == 0).float(), response_mask)),
+            "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
+        }
+    pg_losses = torch.maximum(losses, losses_clipped) * keep
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(
+    log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
+    old_log_probs: torch.Tensor,  # [batch, response_len]
+    advantages: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 1.0,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (arXiv 2505.22617, verl): the unclipped surrogate -A·r, plus ppo_kl_coef·|log π - log π_old|
+    on the max(1, int(kl_cov_ratio · valid tokens)) valid tokens of largest covariance
+    (A - mean A)·(log π - mean log π). Differs from verl: the log ratio is clamped to ±20 before
+    exp. Metric: `ppo_kl`, the mean |log π - log π_old| (as verl).
+    """
+    if kl_cov_ratio <= 0:
+        raise ValueError(f"kl_cov_ratio must be > 0 (got {kl_cov_ratio}); the usual value is 2e-4")
+    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
+    advantages = masked(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    pg_losses = -advantages * log_ratio.exp()
+    with torch.no_grad():
+        valid = response_mask.bool()
+        num_valid = int(valid.sum())
+        penalised = torch.zeros_like(valid)
+        if num_valid > 0:
+            cov = _token_covariance(advantages, log_probs, response_mask).masked_fill(~valid, -float("inf"))
+            top = cov.flatten().topk(max(int(num_valid * kl_cov_ratio), 1)).indices
+            penalised.view(-1)[top] = True
+        metrics = {"ppo_kl": float(masked_mean(log_ratio.abs(), response_mask))}
+    pg_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 def value_loss(
