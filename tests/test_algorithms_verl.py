@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,14 +21,17 @@ from baton.algorithms import (
     compute_advantages,
     count_loss_units,
     estimator_needs,
+    gdpo,
     get_policy_loss,
     gpg,
+    grpo,
     gpg_loss,
     grpo_passk,
     gspo_loss,
     kl_cov_loss,
     kl_penalty,
     loss_unit,
+    masked_whiten,
     num_loss_units,
     opo,
     ppo_clip_loss,
@@ -108,6 +110,7 @@ def test_seq_mean_token_sum_norm_loss_scale_factor():
 @pytest.mark.parametrize("name, value", [
     ("k1+", lambda d: d),
     ("abs+", lambda d: d.abs()),
+    ("k2+", lambda d: d.square() / 2),
     ("k3+", lambda d: (-d).exp() + d - 1),
 ])
 def test_plus_estimators_have_their_value_and_k2_gradient(name, value):
@@ -134,7 +137,7 @@ def test_adaptive_kl_controller_moves_towards_the_target_with_a_clipped_error():
 
 def test_estimator_needs():
     assert estimator_needs("gae") == EstimatorNeeds(critic=True)
-    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg"):
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "gdpo", "opo", "gpg"):
         assert estimator_needs(name) == EstimatorNeeds(groups=True)
     assert estimator_needs("remax") == EstimatorNeeds(baseline_rollout=True)
     assert estimator_needs("reinforce_plus_plus") == EstimatorNeeds()
@@ -164,6 +167,24 @@ def test_grpo_passk_only_the_best_gets_best_minus_second():
     close(adv[:, 0], [0.5, 0, 0, 0, 0])
     with pytest.raises(ValueError, match="at least 2 samples per prompt"):
         grpo_passk(rewards, mask, ["u", "u", "u", "v", "w"])
+
+
+def test_gdpo_normalises_each_component_in_its_group_then_whitens_the_weighted_sum():
+    mask = torch.ones(4, 2)
+    components = T([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0]])  # [batch, 2]; u varies in c1, v in c2
+    index = ["u", "u", "v", "v"]
+    adv, returns = gdpo(torch.zeros(4, 2), mask, index, reward_components=components, reward_weights=[1.0, 0.5])
+    z = 1 / math.sqrt(2)  # a two-sample group's (score - mean) / std
+    weighted = T([z, -z, -0.5 * z, 0.5 * z])
+    close(adv[:, 0], weighted / weighted.repeat(2).std())  # whitened over the 8 valid tokens (mean is 0)
+    assert torch.equal(adv, returns) and torch.equal(adv[:, 0], adv[:, 1])
+    # one component: GRPO, then whitened
+    rewards = outcome([1.0, 0.0, 0.3, 0.3], mask)
+    close(gdpo(rewards, mask, index)[0], masked_whiten(grpo(rewards, mask, index)[0], mask))
+    with pytest.raises(ValueError, match="2 entries for 3 reward components"):
+        gdpo(rewards, mask, index, reward_components=torch.zeros(4, 3), reward_weights=[1.0, 1.0])
+    with pytest.raises(ValueError, match="one score per row and reward component"):
+        gdpo(rewards, mask, index, reward_components=torch.zeros(4))
 
 
 def test_opo_baseline_is_the_length_weighted_group_mean():

@@ -8,6 +8,7 @@ from baton.algorithms.advantages import (
     compute_advantages,
     estimator_needs,
     gae,
+    gdpo,
     get_adv_estimator,
     gpg,
     grpo,
@@ -54,7 +55,7 @@ from baton.algorithms.utils import masked_mean, masked_var, masked_whiten
 __all__ = [
     "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES", "AdaptiveKLController",
     "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty", "cispo_loss", "clip_cov_loss",
-    "compute_advantages", "count_loss_units", "entropy_loss", "estimator_needs", "gae", "get_adv_estimator",
+    "compute_advantages", "count_loss_units", "entropy_loss", "estimator_needs", "gae", "gdpo", "get_adv_estimator",
     "get_kl_estimator", "get_policy_loss", "gpg", "gpg_loss", "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss",
     "kl_penalty", "loss_unit", "masked_mean", "masked_var", "masked_whiten", "num_loss_units", "opo",
     "ppo_clip_loss", "register_adv_estimator", "register_kl_estimator", "register_policy_loss",

@@ -3,8 +3,8 @@
 Each estimator declares what the pipeline must provide (`estimator_needs(name)`): a critic's
 values, groups of samples per prompt, or the reward of a baseline (greedy) rollout.
 
-Semantics follow verl's `core_algos` (GAE, GRPO, GRPO pass@k, RLOO, OPO, GPG, ReMax, REINFORCE++
-and its group-baseline form),
+Semantics follow verl's `core_algos` (GAE, GRPO, GRPO pass@k, GDPO, RLOO, OPO, GPG, ReMax,
+REINFORCE++ and its group-baseline form),
 with one deliberate difference: a sequence's score is the sum of its rewards over the response
 mask only, so nothing under the mask (padding) reaches any result.
 """
@@ -141,11 +141,15 @@ def grpo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(score - group mean) / (group std + epsilon), std unbiased; without the division when
     not `norm_adv_by_std` (Dr. GRPO). A group of one keeps its score. returns = advantages."""
-    scores = _sequence_scores(token_level_rewards, response_mask)
-    mean, std, _ = _group_stats(scores, index)
-    seq_adv = (scores - mean) / (std + epsilon) if norm_adv_by_std else scores - mean
+    seq_adv = _group_normalised(_sequence_scores(token_level_rewards, response_mask), index, norm_adv_by_std, epsilon)
     advantages = _broadcast(seq_adv, response_mask)
     return advantages, advantages
+
+
+def _group_normalised(scores: torch.Tensor, index: GroupIndex, norm_adv_by_std: bool, epsilon: float) -> torch.Tensor:
+    """GRPO's per-sequence advantage [batch]: (score - group mean), over (group std + epsilon) if asked."""
+    mean, std, _ = _group_stats(scores, index)
+    return (scores - mean) / (std + epsilon) if norm_adv_by_std else scores - mean
 
 
 @register_adv_estimator("rloo", EstimatorNeeds(groups=True))
@@ -290,3 +294,38 @@ def remax(
     returns = masked(returns, response_mask)
     advantages = _broadcast(reward_baselines.to(returns.dtype), response_mask)
     return masked(returns - advantages, response_mask), returns
+
+
+@register_adv_estimator("gdpo", EstimatorNeeds(groups=True))
+@torch.no_grad()
+def gdpo(
+    token_level_rewards: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    index: GroupIndex,  # [batch]
+    reward_components: torch.Tensor | None = None,  # [batch, num_components], one score per reward term
+    reward_weights: Sequence[float] | None = None,  # [num_components], default all 1
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv 2601.05242, verl's "gdpo"): each reward component is normalised within its group
+    as GRPO does, the results are summed with `reward_weights`, broadcast to the tokens and
+    whitened over the batch's valid tokens. Without `reward_components` the one component is the
+    sequence score (GRPO followed by whitening). verl reads the components from the reward
+    function's extra outputs named by `algorithm.gdpo_reward_keys`; here the caller stacks them.
+    returns = advantages."""
+    if reward_components is None:
+        reward_components = _sequence_scores(token_level_rewards, response_mask).unsqueeze(-1)
+    if reward_components.dim() != 2 or reward_components.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"reward_components has shape {tuple(reward_components.shape)}, expected [{response_mask.shape[0]}, "
+            "num_components]: one score per row and reward component"
+        )
+    num_components = reward_components.shape[1]
+    weights = [1.0] * num_components if reward_weights is None else list(reward_weights)
+    if len(weights) != num_components:
+        raise ValueError(f"reward_weights has {len(weights)} entries for {num_components} reward components")
+    components = reward_components.to(response_mask.device, torch.float32)
+    seq_adv = sum(w * _group_normalised(components[:, k], index, norm_adv_by_std, epsilon)
+                  for k, w in enumerate(weights))
+    advantages = masked_whiten(_broadcast(seq_adv, response_mask), response_mask)
+    return advantages, advantages

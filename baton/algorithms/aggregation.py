@@ -9,6 +9,8 @@ A loss already aggregated with `agg_loss` becomes that sum again by multiplying 
 
 Units: "token" (valid tokens), "sequence" (rows with at least one valid token; a fully masked row
 is no sequence, as in verl) and "none" (the sum is the loss: the strategy divides by 1).
+Every mode equals verl 0.9's `agg_loss` over the global batch: "token-sum" is the global token sum,
+"seq-mean-token-sum-norm" the seq-mean of token sums divided by `loss_scale_factor` (Dr. GRPO).
 """
 
 from __future__ import annotations

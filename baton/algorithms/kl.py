@@ -2,9 +2,10 @@
 
 Estimators (J. Schulman, "Approximating KL divergence", 2020), with d = log_probs - ref_log_probs:
 k1 = d, abs = |d|, k2 = d²/2, k3 = exp(-d) + d - 1 (verl's "low_var_kl", clamped to [-10, 10]).
-"k1+", "abs+", "k3+" (verl's names) have the value of k1, abs, k3 and the gradient of k2 (straight
-through), whose expected gradient is that of the true KL. `AdaptiveKLController` adapts the reward
-penalty's coefficient towards a target KL (Ziegler et al., 2019; verl's semantics).
+"k1+", "abs+", "k2+", "k3+" (verl's names) have the value of k1, abs, k2, k3 and the gradient of k2
+(straight through), whose expected gradient is that of the true KL; "k2+" is k2.
+`AdaptiveKLController` adapts the reward penalty's coefficient towards a target KL (Ziegler et al.,
+2019; verl's semantics).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def k1_plus(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tenso
 @register_kl_estimator("abs+")
 def abs_kl_plus(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return _straight_through_k2(abs_kl(log_probs, ref_log_probs), log_probs, ref_log_probs)
+
+
+@register_kl_estimator("k2+")
+def k2_plus(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return k2(log_probs, ref_log_probs)
 
 
 @register_kl_estimator("k3+")

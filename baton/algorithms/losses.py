@@ -107,7 +107,8 @@ def gspo_loss(
 
     Differs from verl: verl always aggregates with "seq-mean-token-mean" whatever `loss_agg_mode`
     says; here the given mode is used so that it matches the strategy's normaliser. Configure
-    "seq-mean-token-mean" for verl's GSPO. Metrics: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower` (0).
+    "seq-mean-token-mean" for verl's GSPO. The token log ratios are clamped to ±20 before the mean.
+    Metrics: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower` (0).
     """
     log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
     advantages = masked(advantages, response_mask)
