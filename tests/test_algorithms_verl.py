@@ -19,6 +19,7 @@ from baton.algorithms import (
     cispo_loss,
     clip_cov_loss,
     compute_advantages,
+    compute_policy_loss,
     count_loss_units,
     estimator_needs,
     gdpo,
@@ -34,6 +35,7 @@ from baton.algorithms import (
     masked_whiten,
     num_loss_units,
     opo,
+    policy_loss_params,
     ppo_clip_loss,
     remax,
 )
@@ -227,6 +229,19 @@ def test_remax_subtracts_the_greedy_reward_from_the_reward_to_go():
 def test_policy_loss_registry_has_verl_names():
     assert {"vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov"} <= set(POLICY_LOSSES)
     assert get_policy_loss("vanilla") is ppo_clip_loss
+
+
+def test_compute_policy_loss_passes_only_the_settings_a_loss_takes():
+    log_probs, old, adv, mask = T([[0.1, -0.5]]), torch.zeros(1, 2), T([[1.0, -1.0]]), torch.ones(1, 2)
+    settings = dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    assert policy_loss_params("vanilla") >= set(settings)
+    assert "clip_ratio_c" not in policy_loss_params("gspo") and "clip_cov_ratio" in policy_loss_params("clip_cov")
+    close(compute_policy_loss("cispo", log_probs, old, adv, mask, **settings)[0],
+          cispo_loss(log_probs, old, adv, mask)[0])
+    close(compute_policy_loss("vanilla", log_probs, old, adv, mask, **settings)[0],
+          ppo_clip_loss(log_probs, old, adv, mask)[0])
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
+        compute_policy_loss("ppo", log_probs, old, adv, mask)
 
 
 def test_gspo_uses_the_sequence_ratio_for_every_token():

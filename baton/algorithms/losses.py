@@ -11,6 +11,7 @@ always matches.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -38,6 +39,28 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
+
+
+def compute_policy_loss(
+    name: str,
+    log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
+    old_log_probs: torch.Tensor,  # [batch, response_len]
+    advantages: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    **params,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Run a registered policy loss with the `params` its signature names (`loss_agg_mode`,
+    `clip_ratio_low`, `clip_cov_ratio`, ...), so a pipeline can pass every configured setting
+    without branching on the loss. Use `policy_loss_params(name)` to warn about settings a loss ignores."""
+    fn = get_policy_loss(name)
+    accepted = policy_loss_params(name)
+    return fn(log_probs, old_log_probs, advantages, response_mask, **{k: v for k, v in params.items() if k in accepted})
+
+
+def policy_loss_params(name: str) -> frozenset[str]:
+    """The settings a policy loss takes besides its four tensors."""
+    params = inspect.signature(get_policy_loss(name)).parameters
+    return frozenset(list(params)[4:])
 
 
 def _log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
@@ -268,6 +291,7 @@ def value_loss(
     response_mask: torch.Tensor,  # [batch, response_len]
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """0.5 · agg(max((v - R)², (clip(v, old - ε, old + ε) - R)²)) (verl); metric `vf_clipfrac`,
     the share of tokens where the clipped term is the larger."""
@@ -276,13 +300,18 @@ def value_loss(
     clipped = torch.maximum(torch.minimum(values, old_values + cliprange_value), old_values - cliprange_value)
     losses = (values - returns) ** 2
     losses_clipped = (clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(losses, losses_clipped), response_mask, loss_agg_mode)
+    loss = 0.5 * agg_loss(torch.maximum(losses, losses_clipped), response_mask, loss_agg_mode, loss_scale_factor)
     with torch.no_grad():
         metrics = {"vf_clipfrac": float(masked_mean((losses_clipped > losses).float(), response_mask))}
     return loss, metrics
 
 
-def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean") -> torch.Tensor:
-    """Aggregated token entropy [batch, response_len] → scalar (positive). As a bonus it is
+def entropy_loss(
+    entropy: torch.Tensor,  # [batch, response_len]
+    response_mask: torch.Tensor,  # [batch, response_len]
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregated token entropy → scalar (positive). As a bonus it is
     subtracted: `loss = pg_loss - entropy_coeff * entropy_loss(entropy, mask, mode)`."""
-    return agg_loss(masked(entropy, response_mask), response_mask, loss_agg_mode)
+    return agg_loss(masked(entropy, response_mask), response_mask, loss_agg_mode, loss_scale_factor)
