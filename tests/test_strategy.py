@@ -298,7 +298,8 @@ def pg_loss(outputs, micro_batch):
 
 @pytest.fixture(scope="module")
 def train_batch(rollout):
-    batch = DataProto.from_dict({k: v.clone() for k, v in rollout.batch.items()}, dict(rollout.non_tensor_batch))
+    batch = DataProto.from_dict({k: v.clone() for k, v in rollout.batch.items()}, dict(rollout.non_tensor_batch),
+                                meta_info=dict(rollout.meta_info))  # the temperature it was sampled at (1)
     batch.batch["advantages"] = torch.linspace(-1.0, 1.0, len(batch))
     return batch
 

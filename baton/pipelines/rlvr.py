@@ -68,10 +68,8 @@ class RLVRPipeline(Pipeline):
 
     def next_prompts(self) -> DataProto:
         trainer = self.config.trainer
-        prompts = collate_prompts(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
-                                  self.config.data.max_prompt_len, uid_offset=self.global_step * trainer.num_prompts_per_step)
-        prompts.meta_info["temperature"] = self.config.sampling.temperature
-        return prompts
+        return collate_prompts(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
+                               self.config.data.max_prompt_len, uid_offset=self.global_step * trainer.num_prompts_per_step)
 
     def compute_advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         algo, data = self.config.algorithm, batch.batch

@@ -23,7 +23,7 @@ from baton.checkpoint import has_state, load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
-from baton.strategy.logprobs import RLHead, position_ids_from_mask
+from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
 from baton.strategy.sampling import generation_output, sample
 
 
@@ -179,7 +179,7 @@ class TorchStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, metric_sums, micro_batches = 0.0, {}, self._micro_batches(batch)
         for micro_batch in micro_batches:
-            outputs = self._outputs(micro_batch, temperature=micro_batch.meta_info.get("temperature", 1.0),
+            outputs = self._outputs(micro_batch, temperature=sampling_temperature(micro_batch),
                                     entropy_grad=getattr(loss_fn, "entropy_grad", True))
             micro_batch = micro_batch.to(self.device)
             loss_sum, metrics = loss_fn(outputs, micro_batch)
@@ -342,7 +342,7 @@ class HFStrategy(TorchStrategy):
         generator = self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
         out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator)
-        return generation_output(prompts, params.n, out["responses"], out["response_mask"], out["rollout_log_probs"],
+        return generation_output(prompts, params, out["responses"], out["response_mask"], out["rollout_log_probs"],
                                  out["stopped"])
 
     def share_weights_from(self, other: "TorchStrategy") -> None:

@@ -15,6 +15,21 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 
+def sampling_temperature(batch) -> float:
+    """The temperature at which a batch's log-probs are computed: the one its responses were sampled at, which the
+    generation records in `meta_info["temperature"]` (`generation_output`). Responses that were not sampled (SFT data) have none and get 1;
+    a sampled batch (it holds rollout_log_probs) without the record is an error, since its log-probs would
+    silently come out at temperature 1."""
+    temperature = batch.meta_info.get("temperature")
+    if temperature is not None:
+        return float(temperature)
+    if "rollout_log_probs" in batch.batch:
+        raise ValueError("this batch was sampled (it has rollout_log_probs) but records no meta_info['temperature']; "
+                         "generate() records the temperature it sampled at: keep meta_info when you build a batch "
+                         "from its output, or set meta_info['temperature'] to that temperature")
+    return 1.0
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting real tokens only (left padding gets position 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -59,7 +59,7 @@ class MockStrategy:
             response_mask[row, :length] = 1
             stopped.append(length < max_new)
         log_probs = self.scalar.detach().expand(rows, max_new) * response_mask
-        return generation_output(prompts, params.n, responses, response_mask, log_probs, torch.tensor(stopped))
+        return generation_output(prompts, params, responses, response_mask, log_probs, torch.tensor(stopped))
 
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
         units = float(batch.batch["response_mask"].sum()) if loss_unit == "token" else float(len(batch))

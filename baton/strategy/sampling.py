@@ -101,10 +101,12 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     }
 
 
-def generation_output(prompts: DataProto, n: int, responses: torch.Tensor, response_mask: torch.Tensor,
+def generation_output(prompts: DataProto, params: SamplingParams, responses: torch.Tensor, response_mask: torch.Tensor,
                       rollout_log_probs: torch.Tensor, stopped: torch.Tensor) -> DataProto:
-    """The generate() output layout (see `baton.strategy.base`), on CPU: `n` rows per prompt, the
-    prompts' non-tensor columns repeated to match."""
+    """The generate() output layout (see `baton.strategy.base`), on CPU: `params.n` rows per prompt, the
+    prompts' non-tensor columns repeated to match, and `meta_info["temperature"]` = the temperature sampled at,
+    which every later log-prob computation of the batch uses (`sampling_temperature`)."""
+    n = params.n
     prompt_ids = prompts.batch["input_ids"].cpu().repeat_interleave(n, 0)  # [rows, prompt_len]
     attention_mask = torch.cat([prompts.batch["attention_mask"].cpu().repeat_interleave(n, 0), response_mask.cpu()], dim=1)
     result = DataProto.from_dict(
@@ -114,7 +116,7 @@ def generation_output(prompts: DataProto, n: int, responses: torch.Tensor, respo
             "position_ids": position_ids_from_mask(attention_mask), "rollout_log_probs": rollout_log_probs.cpu(),
         },
         {"finish_reason": np.array(["stop" if s else "length" for s in stopped.tolist()], dtype=object)},
-        meta_info=dict(prompts.meta_info),
+        meta_info={**prompts.meta_info, "temperature": params.temperature},
     )
     if prompts.non_tensor_batch:
         result = result.union(DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(n, interleave=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from baton.data import DataProto, TensorBucket
 from baton.distributed import Dispatch, Worker, register
 from baton.strategy import StrategyConfig, create_strategy
+from baton.strategy.logprobs import sampling_temperature
 
 
 class ModelWorker(Worker):
@@ -16,8 +17,9 @@ class ModelWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: DataProto) -> DataProto:
-        """log_probs and entropy [rows, response_len] at the batch's `meta_info["temperature"]` (default 1)."""
-        return self.strategy.forward(batch, temperature=batch.meta_info.get("temperature", 1.0))
+        """log_probs and entropy [rows, response_len] at the temperature the responses were sampled at
+        (`sampling_temperature`: the rollout's record; 1 for responses that were not sampled)."""
+        return self.strategy.forward(batch, temperature=sampling_temperature(batch))
 
     @register(Dispatch.ONE_TO_ALL_ONE)
     def export_weights(self, bucket_bytes: int = 256 << 20) -> list:

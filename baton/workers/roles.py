@@ -42,6 +42,7 @@ class RolloutWorker(ModelWorker):
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """Samples, with the temperature they were drawn at in `meta_info["temperature"]`."""
         return self.strategy.generate(prompts, params)
 
     @register(Dispatch.ONE_TO_ALL)
