@@ -9,6 +9,8 @@ the same update as one worker on the whole batch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -22,7 +24,11 @@ class Fsdp2Strategy(TorchStrategy):
 
     def __init__(self, config, device: torch.device | None = None):
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if "RANK" in os.environ:
+                dist.init_process_group(backend)
+            else:  # the local backend: one in-process worker, a group of one
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         super().__init__(config, device or default_device())
 
@@ -33,6 +39,16 @@ class Fsdp2Strategy(TorchStrategy):
             fully_shard(layer)
         fully_shard(module)
         return module
+
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        """As `TorchStrategy.forward`, then reshards the root. FSDP2 keeps the root's parameters unsharded after a
+        forward (a backward would reshard them); left so, the module would expose the gathered copies instead of
+        the sharded parameters, so an optimizer built next would step copies that the next all-gather discards,
+        and loaded weights would land in them too."""
+        try:
+            return super().forward(batch, temperature)
+        finally:
+            self.module.reshard()
 
     def _all_reduce_sum(self, value: float) -> float:
         return self._all_reduce(value, dist.ReduceOp.SUM)
@@ -64,13 +80,23 @@ class Fsdp2Strategy(TorchStrategy):
         return pieces
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU."""
+        """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU.
+
+        Tied names (the embeddings and the LM head) get one shared tensor, as in HF's own state dict, so
+        `save_pretrained` writes it once."""
+        first_name: dict[int, str] = {}
+        tied = {name: first_name.setdefault(id(param), name)
+                for name, param in self.hf_model.named_parameters(remove_duplicate=False)}
         full = {}
         for name, tensor in self.hf_model.state_dict().items():
+            if tied.get(name, name) != name:
+                continue
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             if self.rank == 0:
                 full[name] = tensor.detach().cpu()
+        if self.rank == 0:
+            full.update({name: full[first] for name, first in tied.items() if first != name})
         return full
 
     def _load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

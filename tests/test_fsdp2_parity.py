@@ -1,0 +1,77 @@
+"""FSDP2 makes the same updates as HF through the pipelines, not only in bare train_step calls.
+
+The pipelines call forward() (the weight-sync probe, validation) before and between training steps;
+these tests keep that path in, since that is where FSDP2 and HF once parted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from baton.models import load_tokenizer
+from baton.pipelines.base import run_pipeline as run
+from baton.pipelines.config import DataConfig, RoleConfig, SFTConfig, TrainerConfig
+from baton.pipelines.losses import SFTLoss
+from baton.pipelines.sft import SFTPipeline
+from baton.strategy import OptimizerConfig, StrategyConfig
+from baton.strategy.fsdp2 import Fsdp2Strategy
+from baton.strategy.hf import HFStrategy
+from baton.workers.weight_sync import probe_batch
+
+TEXTS = ["12+7=19", "3*4=12", "100-1=99", "8/2=4", "5+5=10", "7*7=49", "2+2=4", "9-3=6"]
+NUM_STEPS = 5
+
+
+def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    return {name: float((a[name] - b[name]).abs().max()) for name in a}
+
+
+def test_a_forward_before_the_first_step_leaves_fsdp2_training_like_hf():
+    """A no-grad forward leaves FSDP2's root (embeddings, tied LM head, final norm) gathered; the optimizer built
+    after it must still hold the sharded parameters. One in-process rank (a group of one)."""
+    config = StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-3))
+    batch = probe_batch(load_tokenizer(), TEXTS, 3)
+    hf, fsdp2 = HFStrategy(config), Fsdp2Strategy(config)
+    for strategy in (hf, fsdp2):
+        strategy.forward(batch)
+        strategy.train_step(batch, SFTLoss())
+        strategy.forward(batch)
+        strategy.train_step(batch, SFTLoss())
+    differences = max_weight_difference(hf._full_state_dict(), fsdp2._full_state_dict())
+    assert max(differences.values()) < 1e-6, {k: v for k, v in differences.items() if v >= 1e-6}
+
+
+def sft_config(run_dir, strategy: str, world_size: int, backend: str) -> SFTConfig:
+    role = RoleConfig(strategy=StrategyConfig(name=strategy, model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-3)),
+                      world_size=world_size)
+    trainer = TrainerConfig(backend=backend, num_nodes=1, run_dir=str(run_dir), num_steps=NUM_STEPS,
+                            num_prompts_per_step=8, val_every_steps=2, save_every_steps=NUM_STEPS, progress_bar=False)
+    return SFTConfig(actor=role, data=DataConfig(max_operand=9, num_val_examples=8), trainer=trainer)
+
+
+def metrics_by_step(run_dir) -> dict[int, dict[str, float]]:
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith(("sft/", "actor/", "val/"))} for r in records}
+
+
+@pytest.mark.ray
+def test_sft_with_fsdp2_on_two_workers_matches_hf_on_one(tmp_path, ray_cluster):
+    run(SFTPipeline, sft_config(tmp_path / "hf", "hf", 1, "local"))
+    run(SFTPipeline, sft_config(tmp_path / "fsdp2", "fsdp2", 2, "ray"))
+
+    hf, fsdp2 = metrics_by_step(tmp_path / "hf"), metrics_by_step(tmp_path / "fsdp2")
+    assert hf.keys() == fsdp2.keys() == set(range(NUM_STEPS + 1))
+    for step in hf:
+        assert hf[step].keys() == fsdp2[step].keys(), step
+        for key, value in hf[step].items():
+            assert fsdp2[step][key] == pytest.approx(value, rel=1e-4, abs=1e-7), (step, key)
+    assert "val/accuracy" in hf[NUM_STEPS] and "sft/loss" in hf[NUM_STEPS]
+
+    checkpoint = f"checkpoints/step_{NUM_STEPS}/actor/model.safetensors"
+    differences = max_weight_difference(load_file(tmp_path / "hf" / checkpoint), load_file(tmp_path / "fsdp2" / checkpoint))
+    assert max(differences.values()) < 1e-5, {k: v for k, v in differences.items() if v >= 1e-5}
