@@ -246,6 +246,21 @@ def test_method_clashing_with_cluster_is_refused(make_manager, backend):
         assert cluster.rank_now() == [0]
 
 
+class Wrapped(Worker):
+    @torch.no_grad()
+    @register(Dispatch.ONE_TO_ALL)
+    def grad_enabled(self):
+        """Reports whether autograd is on inside the call."""
+        return torch.is_grad_enabled()
+
+
+def test_a_method_wrapped_after_register_stays_a_cluster_method(make_manager):
+    manager = make_manager("local", num_devices_per_node=2)
+    with Cluster(Wrapped, WorkerConfig("wrapped", world_size=2), manager) as cluster:
+        assert cluster.grad_enabled() == [False, False]  # the outer decorator still applies
+        assert cluster.grad_enabled.__doc__ == "Reports whether autograd is on inside the call."
+
+
 # ---- model-parallel layouts -----------------------------------------------------------------------
 
 

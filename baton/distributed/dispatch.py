@@ -163,16 +163,30 @@ def register(
 
 
 def registered_methods(cls: type) -> dict[str, MethodSpec]:
-    """The `@register` methods of a worker class, by name (a subclass override without `@register` hides one)."""
+    """The `@register` methods of a worker class, by name (a subclass override without `@register` hides one).
+
+    A method that another decorator wrapped after `@register` (e.g. `@torch.no_grad()` above it) is found through
+    the `__wrapped__` chain that `functools.wraps` leaves."""
     methods: dict[str, MethodSpec] = {}
     for klass in reversed(cls.__mro__):
         for name, attr in vars(klass).items():
-            spec = _METHOD_SPECS.get(attr) if callable(attr) else None
+            spec = _registered_spec(attr)
             if spec is not None:
                 methods[name] = spec
             else:
                 methods.pop(name, None)
     return methods
+
+
+def _registered_spec(attr) -> MethodSpec | None:
+    seen = set()
+    while callable(attr) and id(attr) not in seen:
+        seen.add(id(attr))
+        spec = _METHOD_SPECS.get(attr)
+        if spec is not None:
+            return spec
+        attr = getattr(attr, "__wrapped__", None)
+    return None
 
 
 # --- built-in modes -----------------------------------------------------------------------------
