@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from baton.cli import resolve
@@ -87,18 +88,28 @@ def test_sync_every_k_steps_syncs_only_on_those_steps_and_measures_the_stale_gap
     assert records[1]["rollout/is_ratio/max"] > 1.0 > records[1]["rollout/is_ratio/min"]
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("transform.yaml", ["num_steps=2", "num_rows_per_step=50", "trainer.backend=local", "trainer.progress_bar=false"]),
-    ("ppo.yaml", ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=2", "data.max_operand=9", "data.num_val_examples=4",
-                  *[f"{stage}.trainer.{key}" for stage in ("sft", "rlvr")
-                    for key in ("backend=local", "progress_bar=false", "num_prompts_per_step=4")],
-                  "rlvr.sampling.num_samples_per_prompt=2"]),
-])
-def test_the_example_configs_run_for_two_steps(tmp_path, name, overrides):
-    key = "trainer.run_dir" if name == "transform.yaml" else "run_dir"
-    pipeline_cls, config = resolve(os.path.join(EXAMPLES, name), [*overrides, f"{key}={tmp_path}"])
+TWO_STEP_DEMO = ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=2", "data.max_operand=9", "data.num_val_examples=4",
+                 *[f"{stage}.trainer.{key}" for stage in ("sft", "rlvr")
+                   for key in ("backend=local", "progress_bar=false", "num_prompts_per_step=4")],
+                 "rlvr.sampling.num_samples_per_prompt=2"]
+
+
+@pytest.mark.parametrize("name", ["ppo.yaml", "dapo.yaml", "dr_grpo.yaml", "gspo.yaml"])
+def test_the_algorithm_examples_run_for_two_steps_with_their_settings(tmp_path, name):
+    pipeline_cls, config = resolve(os.path.join(EXAMPLES, name), [*TWO_STEP_DEMO, f"run_dir={tmp_path}"])
     summary = run_pipeline(pipeline_cls, config)
+    assert summary["rlvr"]["num_steps"] == 2
+    wanted = yaml.safe_load(open(os.path.join(EXAMPLES, name)))["rlvr"]["algorithm"]
+    ran = yaml.safe_load(open(tmp_path / "rlvr" / "config.yaml"))["algorithm"]
+    assert {k: ran[k] for k in wanted} == wanted  # the stage ran with the example's settings
+    records = metrics_of(tmp_path / "rlvr")
+    assert len(records) == 2 and all(r["actor/grad_norm"] >= 0 for r in records)
     if name == "ppo.yaml":
-        assert summary["rlvr"]["num_steps"] == 2 and (tmp_path / "rlvr" / "checkpoints" / "step_2" / "critic").is_dir()
-    else:
-        assert summary["rows"] == 100 and summary["accuracy"] == 1.0  # the evaluators compute every sum right
+        assert (tmp_path / "rlvr" / "checkpoints" / "step_2" / "critic").is_dir()
+
+
+def test_the_transform_example_runs(tmp_path):
+    overrides = ["num_steps=2", "num_rows_per_step=50", "trainer.backend=local", "trainer.progress_bar=false"]
+    pipeline_cls, config = resolve(os.path.join(EXAMPLES, "transform.yaml"), [*overrides, f"trainer.run_dir={tmp_path}"])
+    summary = run_pipeline(pipeline_cls, config)
+    assert summary["rows"] == 100 and summary["accuracy"] == 1.0  # the evaluators compute every sum right

@@ -15,8 +15,6 @@ from baton.distributed import WorkerConfig
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 
 MODEL_ROLES = ("actor", "rollout", "reference", "critic", "policy")  # "policy": actor + rollout fused
-# Estimators whose baseline is the prompt's other samples: a group of one sample learns nothing.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 @dataclass
@@ -129,15 +127,35 @@ class SamplingConfig:
 
 
 @dataclass
+class KLControlConfig:
+    """The KL-in-reward coefficient: "fixed" at `algorithm.kl_reward_coef`, or "adaptive" (verl's
+    AdaptiveKLController: moved each step towards `target_kl` over `horizon` samples)."""
+
+    type: str = "fixed"
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
 class AlgorithmConfig:
+    """verl's algorithm settings, by verl's names. `policy_loss` picks a loss from baton.algorithms.POLICY_LOSSES;
+    the settings after it are passed to the losses that take them (`policy_loss_params`)."""
+
     adv_estimator: str = "grpo"  # a name in baton.algorithms.ADV_ESTIMATORS
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
+    policy_loss: str = "vanilla"  # PPO clip; gspo, cispo, gpg, clip_cov, kl_cov
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 1.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor (Dr.GRPO); None: the response length
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -145,6 +163,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_reward_coef: float = 0.001
     kl_reward_estimator: str = "k1"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     cliprange_value: float = 0.5
     num_ppo_epochs: int = 1
     num_mini_batches_per_step: int = 1
@@ -209,7 +228,7 @@ class RLVRConfig:
 
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
-        from baton.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_UNITS
+        from baton.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_UNITS, POLICY_LOSSES, estimator_needs
 
         algo, trainer, num_samples = self.algorithm, self.trainer, self.sampling.num_samples_per_prompt
         _check_data(self.data)
@@ -217,12 +236,24 @@ class RLVRConfig:
         _check_choice("algorithm.loss_agg_mode", algo.loss_agg_mode, LOSS_AGG_UNITS)
         _check_choice("algorithm.kl_loss_estimator", algo.kl_loss_estimator, KL_ESTIMATORS)
         _check_choice("algorithm.kl_reward_estimator", algo.kl_reward_estimator, KL_ESTIMATORS)
-        if algo.adv_estimator in GROUP_ESTIMATORS and num_samples < 2:
+        _check_choice("algorithm.policy_loss", algo.policy_loss, POLICY_LOSSES)
+        _check_choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
+        if algo.loss_scale_factor is not None and algo.loss_agg_mode != "seq-mean-token-sum-norm":
+            raise ConfigError(f"algorithm.loss_scale_factor applies to loss_agg_mode 'seq-mean-token-sum-norm' only, "
+                              f"not {algo.loss_agg_mode!r}; unset it or change the mode")
+        needs = estimator_needs(algo.adv_estimator)
+        if needs.groups and num_samples < 2:
             raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} compares each prompt's samples with each "
                               f"other, but sampling.num_samples_per_prompt={num_samples}; use 2 or more (e.g. 8)")
-        if algo.adv_estimator == "gae" and self.critic is None:
-            raise ConfigError("algorithm.adv_estimator 'gae' needs a critic: add a `critic:` section "
+        if needs.critic and self.critic is None:
+            raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} needs a critic: add a `critic:` section "
                               "(strategy.kind: value), or use adv_estimator 'grpo'")
+        if not needs.critic and self.critic is not None:
+            raise ConfigError(f"a `critic:` section is set but algorithm.adv_estimator {algo.adv_estimator!r} uses no "
+                              "critic; remove the section, or use adv_estimator 'gae'")
+        if needs.baseline_rollout:
+            raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} needs a baseline rollout (a greedy "
+                              "sample per prompt), which the RLVR pipeline does not generate yet; use 'grpo' or 'rloo'")
         if self.critic is not None and self.critic.strategy.kind != "value":
             raise ConfigError(f"critic.strategy.kind is {self.critic.strategy.kind!r}; a critic predicts values: "
                               "set critic.strategy.kind: value")

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baton.algorithms import apply_kl_penalty, compute_advantages, loss_unit
+from baton.algorithms import (AdaptiveKLController, apply_kl_penalty, compute_advantages, estimator_needs, loss_unit,
+                              policy_loss_params)
 from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
-from baton.pipelines.config import GROUP_ESTIMATORS, RLVRConfig
+from baton.pipelines.config import RLVRConfig
 from baton.pipelines.losses import PolicyLoss, ValueLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, reward_error_count, validate
 from baton.workers import CriticWorker, ReferenceWorker, RewardWorker
@@ -38,7 +39,8 @@ class RLVRPipeline(Pipeline):
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
-        if algo.adv_estimator == "gae":
+        needs = estimator_needs(algo.adv_estimator)  # the estimator's registration says what it needs
+        if needs.critic:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
         clusters = self.create_clusters(roles, fused=FUSED_POLICY if config.colocate_actor_rollout else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
@@ -46,11 +48,13 @@ class RLVRPipeline(Pipeline):
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
                                             self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
-        self.policy_loss = PolicyLoss(algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, algo.loss_agg_mode,
-                                      algo.entropy_coeff, algo.kl_loss_coef if algo.use_kl_loss else 0.0,
-                                      algo.kl_loss_estimator)
-        self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode)
-        self.signal_watch = SignalWatch(algo.adv_estimator) if algo.adv_estimator in GROUP_ESTIMATORS else None
+        self.policy_loss = PolicyLoss(algo.policy_loss, policy_loss_settings(algo), algo.loss_agg_mode,
+                                      algo.loss_scale_factor, algo.entropy_coeff,
+                                      algo.kl_loss_coef if algo.use_kl_loss else 0.0, algo.kl_loss_estimator)
+        self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode, algo.loss_scale_factor)
+        self.kl_ctrl = (AdaptiveKLController(algo.kl_reward_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+                        if algo.use_kl_in_reward and algo.kl_ctrl.type == "adaptive" else None)
+        self.signal_watch = SignalWatch(algo.adv_estimator) if needs.groups else None
         # One update per batch is on-policy: the loss detaches the current log-probs instead (as TRL does).
         # Several epochs or mini-batches move the weights between updates, the KL reward penalty needs the
         # log-probs before the update, and with sync_every_steps > 1 they measure how far the rollout's older
@@ -66,6 +70,14 @@ class RLVRPipeline(Pipeline):
                 "gap. Use sync_every_steps=1 for on-policy training", StaleSamplesWarning, stacklevel=2)
         self.maybe_resume()
 
+    def pipeline_state(self) -> dict:
+        return {**super().pipeline_state(), "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
+
+    def load_pipeline_state(self, state: dict) -> None:
+        super().load_pipeline_state(state)
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = state["kl_coef"]
+
     def next_prompts(self) -> DataProto:
         trainer = self.config.trainer
         return collate_prompts(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
@@ -76,8 +88,11 @@ class RLVRPipeline(Pipeline):
         metrics = {}
         rewards = data["token_level_scores"]
         if algo.use_kl_in_reward:
+            coef = self.kl_ctrl.value if self.kl_ctrl is not None else algo.kl_reward_coef
             rewards, metrics = apply_kl_penalty(rewards, data["old_log_probs"], data["ref_log_probs"], data["response_mask"],
-                                                algo.kl_reward_coef, algo.kl_reward_estimator)
+                                                coef, algo.kl_reward_estimator)
+            if self.kl_ctrl is not None:  # verl: the observed KL over this batch's samples sets the next coefficient
+                self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], num_steps=len(batch))
         advantages, returns = compute_advantages(
             algo.adv_estimator, token_level_rewards=rewards, response_mask=data["response_mask"],
             index=batch.non_tensor_batch["uid"], values=data.get("values"), gamma=algo.gamma, lam=algo.lam,
@@ -155,6 +170,22 @@ class RLVRPipeline(Pipeline):
     def validate(self) -> dict[str, float]:
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
+
+
+def policy_loss_settings(algo) -> dict:
+    """The algorithm's policy-loss settings; a setting changed from its default that the chosen loss does not take
+    is ignored with a warning."""
+    from baton.pipelines.config import AlgorithmConfig
+
+    names = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+             "kl_cov_ratio", "ppo_kl_coef")
+    settings = {name: getattr(algo, name) for name in names}
+    taken, defaults = policy_loss_params(algo.policy_loss), AlgorithmConfig()
+    ignored = [n for n in names if n not in taken and settings[n] != getattr(defaults, n)]
+    if ignored:
+        warnings.warn(f"algorithm.policy_loss {algo.policy_loss!r} takes none of {ignored}; they are ignored",
+                      stacklevel=3)
+    return settings
 
 
 class StaleSamplesWarning(UserWarning):

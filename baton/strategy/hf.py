@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from baton.algorithms.aggregation import LOSS_UNITS, count_loss_units
 from baton.checkpoint import has_state, load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
@@ -170,11 +171,12 @@ class TorchStrategy:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
 
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
-        if loss_unit not in ("token", "sequence"):
-            raise ValueError(f"loss_unit {loss_unit!r} is not one of 'token', 'sequence'")
+        if loss_unit not in LOSS_UNITS:
+            raise ValueError(f"loss_unit {loss_unit!r} is not one of {list(LOSS_UNITS)}")
         self._ensure_optimizer()
         self.module.train()
-        local_units = float(batch.batch["response_mask"].sum()) if loss_unit == "token" else float(len(batch))
+        # The loss sums over units (tokens, sequences with a valid token); "none" (token-sum) is divided by 1.
+        local_units = float(count_loss_units(batch.batch["response_mask"], loss_unit))
         global_units = max(self._all_reduce_sum(local_units), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, metric_sums, micro_batches = 0.0, {}, self._micro_batches(batch)

@@ -12,6 +12,7 @@ import shutil
 
 import torch
 
+from baton.algorithms.aggregation import count_loss_units
 from baton.checkpoint import load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import load_tokenizer
@@ -62,7 +63,7 @@ class MockStrategy:
         return generation_output(prompts, params, responses, response_mask, log_probs, torch.tensor(stopped))
 
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
-        units = float(batch.batch["response_mask"].sum()) if loss_unit == "token" else float(len(batch))
+        units = float(count_loss_units(batch.batch["response_mask"], loss_unit))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, metrics = loss_fn(self._outputs(batch), batch)
         loss = loss_sum / max(units, 1.0)
