@@ -348,7 +348,7 @@ def test_value_loss_clip_active_and_inactive():
 
 @pytest.mark.parametrize("lookup, known", [
     (get_adv_estimator, ["gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]),
-    (get_policy_loss, ["ppo_clip"]),
+    (get_policy_loss, ["vanilla"]),
     (get_kl_estimator, ["abs", "k1", "k2", "k3"]),
 ])
 def test_unknown_names_list_the_valid_ones(lookup, known):
@@ -361,6 +361,6 @@ def test_unknown_names_list_the_valid_ones(lookup, known):
 
 
 def test_registering_a_name_twice_fails():
-    assert get_policy_loss("ppo_clip") is ppo_clip_loss
+    assert get_policy_loss("vanilla") is ppo_clip_loss
     with pytest.raises(ValueError, match="already registered"):
         register_adv_estimator("grpo")(lambda **_: None)

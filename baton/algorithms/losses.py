@@ -4,7 +4,7 @@
 Each returns `agg_loss` of its per-token loss; inside a strategy loss function that wants the
 sum form, multiply by `num_loss_units(response_mask, loss_agg_mode)` (see `aggregation`).
 Metrics are Python floats computed over the valid tokens. Names follow verl's `policy_loss.loss_mode`:
-"vanilla" (PPO clip, also "ppo_clip"), "gspo", "cispo", "gpg", "clip_cov", "kl_cov". Every loss
+"vanilla" (PPO clip), "gspo", "cispo", "gpg", "clip_cov", "kl_cov". Every loss
 honours the `loss_agg_mode` it is given, so the strategy's normaliser (`loss_unit(loss_agg_mode)`)
 always matches.
 """
@@ -68,7 +68,6 @@ def _log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Te
 
 
 @register_policy_loss("vanilla")
-@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
     old_log_probs: torch.Tensor,  # [batch, response_len], policy that sampled the data
