@@ -63,8 +63,17 @@ def policy_loss_params(name: str) -> frozenset[str]:
     return frozenset(list(params)[4:])
 
 
-def _log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
-    return (log_probs - old_log_probs).clamp(min=-20.0, max=20.0)  # keeps exp finite
+def _masked_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                      response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_probs, advantages, log ratio), each 0 off the mask; the log ratio clamped to ±20, which keeps exp finite."""
+    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
+    return log_probs, masked(advantages, response_mask), (log_probs - old_log_probs).clamp(min=-20.0, max=20.0)
+
+
+def _clipped_surrogate(advantages: torch.Tensor, ratio: torch.Tensor, clip_ratio_low: float,
+                       clip_ratio_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's two surrogate terms per token: -A·r and -A·clip(r, 1 - low, 1 + high)."""
+    return -advantages * ratio, -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
 
 
 @register_policy_loss("vanilla")
@@ -90,12 +99,9 @@ def ppo_clip_loss(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO (got {clip_ratio_c}); the usual value is 3.0")
-    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
-    advantages = masked(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
+    log_probs, advantages, log_ratio = _masked_log_ratio(log_probs, old_log_probs, advantages, response_mask)
     ratio = log_ratio.exp()
-    losses = -advantages * ratio
-    losses_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    losses, losses_clipped = _clipped_surrogate(advantages, ratio, clip_ratio_low, clip_ratio_high)
     clip_losses = torch.maximum(losses, losses_clipped)
     dual_clip_losses = -advantages * clip_ratio_c
     negative = advantages < 0
@@ -132,14 +138,11 @@ def gspo_loss(
     "seq-mean-token-mean" for verl's GSPO. The token log ratios are clamped to ±20 before the mean.
     Metrics: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower` (0).
     """
-    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
-    advantages = masked(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
+    log_probs, advantages, log_ratio = _masked_log_ratio(log_probs, old_log_probs, advantages, response_mask)
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # [batch]
     token_log_ratio = (log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
     ratio = token_log_ratio.exp()
-    losses = -advantages * ratio
-    losses_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    losses, losses_clipped = _clipped_surrogate(advantages, ratio, clip_ratio_low, clip_ratio_high)
     pg_losses = torch.maximum(losses, losses_clipped)
     with torch.no_grad():
         metrics = {
@@ -165,9 +168,7 @@ def cispo_loss(
     so every token keeps a gradient (through log π) and the clipped importance weight only scales
     it. Metrics: `pg_clipfrac` (share of tokens whose weight is clipped), `ppo_kl`, `pg_clipfrac_lower` (0).
     """
-    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
-    advantages = masked(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
+    log_probs, advantages, log_ratio = _masked_log_ratio(log_probs, old_log_probs, advantages, response_mask)
     ratio = log_ratio.exp()
     weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high).detach()
     pg_losses = -weight * advantages * log_probs
@@ -226,12 +227,9 @@ def clip_cov_loss(
     """
     if clip_cov_ratio <= 0:
         raise ValueError(f"clip_cov_ratio must be > 0 (got {clip_cov_ratio}); the usual value is 2e-4")
-    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
-    advantages = masked(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
+    log_probs, advantages, log_ratio = _masked_log_ratio(log_probs, old_log_probs, advantages, response_mask)
     ratio = log_ratio.exp()
-    losses = -advantages * ratio
-    losses_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    losses, losses_clipped = _clipped_surrogate(advantages, ratio, clip_ratio_low, clip_ratio_high)
     with torch.no_grad():
         valid = response_mask.bool()
         cov = _token_covariance(advantages, log_probs, response_mask)
@@ -266,9 +264,7 @@ def kl_cov_loss(
     """
     if kl_cov_ratio <= 0:
         raise ValueError(f"kl_cov_ratio must be > 0 (got {kl_cov_ratio}); the usual value is 2e-4")
-    log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
-    advantages = masked(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
+    log_probs, advantages, log_ratio = _masked_log_ratio(log_probs, old_log_probs, advantages, response_mask)
     pg_losses = -advantages * log_ratio.exp()
     with torch.no_grad():
         valid = response_mask.bool()
