@@ -18,6 +18,7 @@ from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import StrategyConfig
 from baton.tracking.tracker import read_metrics
+from test_run_ux import mock_grpo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,15 +112,6 @@ def test_a_failed_run_prints_one_line_with_the_next_step_and_logs_the_traceback(
     log = tmp_path / "run" / "error.log"
     assert f"full traceback: {log}" in err
     assert "Traceback" in log.read_text() and "the judge is down" in log.read_text()
-
-
-def mock_grpo(run_dir, **trainer) -> RLVRConfig:
-    role = RoleConfig(strategy=StrategyConfig(name="mock"))
-    settings = dict(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, val_every_steps=2, save_every_steps=2,
-                    progress_bar=False)
-    return RLVRConfig(actor=role, rollout=role, data=DataConfig(max_operand=9, num_val_examples=8),
-                      sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
-                      trainer=TrainerConfig(**{**settings, **trainer}))
 
 
 def test_after_a_resume_the_metrics_have_each_step_once(tmp_path):

@@ -19,7 +19,7 @@ from baton.algorithms import (AdaptiveKLController, apply_kl_penalty, compute_ad
 from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
-from baton.pipelines.config import RLVRConfig
+from baton.pipelines.config import AlgorithmConfig, RLVRConfig
 from baton.pipelines.losses import PolicyLoss, ValueLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, reward_error_count, validate
 from baton.workers import CriticWorker, ReferenceWorker, RewardWorker
@@ -175,8 +175,6 @@ class RLVRPipeline(Pipeline):
 def policy_loss_settings(algo) -> dict:
     """The algorithm's policy-loss settings; a setting changed from its default that the chosen loss does not take
     is ignored with a warning."""
-    from baton.pipelines.config import AlgorithmConfig
-
     names = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
              "kl_cov_ratio", "ppo_kl_coef")
     settings = {name: getattr(algo, name) for name in names}
