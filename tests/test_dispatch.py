@@ -190,6 +190,17 @@ def test_dp_compute_splits_unevenly_and_concatenates_in_order(modes):
         modes.add(batch(6), batch(5))
 
 
+def test_verl_names_alias_the_same_modes_and_verl_dp_compute_lists_are_refused(modes):
+    assert Dispatch.DP_COMPUTE_PROTO is Dispatch.DP_COMPUTE  # verl's DataProto split-and-concat
+    assert Dispatch.DP_COMPUTE_PROTO_WITH_FUNC is Dispatch.DP_COMPUTE  # a function argument is broadcast
+    # verl's DP_COMPUTE hands worker i element i of each list; here that is ALL_TO_ALL, and a dp mode says so
+    # instead of broadcasting the whole list to every worker.
+    with pytest.raises(ValueError, match=r"argument 0 is a list: .*verl's Dispatch.DP_COMPUTE.*Dispatch.ALL_TO_ALL"):
+        modes.stats([batch(1)] * 4)
+    with pytest.raises(ValueError, match="this call has none; pass a DataProto, or .*ONE_TO_ALL"):
+        modes.stats(data=3)
+
+
 def test_auto_padding_repeats_first_rows_and_strips_them(modes):
     out = modes.compute_padded(batch(10))
     # 10 rows padded to 12 with copies of rows 0 and 1; every worker gets 3.

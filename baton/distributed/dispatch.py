@@ -22,6 +22,10 @@ class Dispatch(enum.StrEnum):
     DP_COMPUTE = "dp_compute"  # DataProto split by dp rank; dp-ordered concat from collecting ranks
     DP_COMPUTE_METRIC = "dp_compute_metric"  # as DP_COMPUTE; list of per-dp-rank results
     DP_DISPATCH_FIRST = "dp_dispatch_first"  # dp shard to each mp group's first rank only; as DP_COMPUTE
+    # verl's names for the same modes. verl's own DP_COMPUTE (element i of list arguments to worker i) is
+    # baton's ALL_TO_ALL: a list argument to a dp mode is an error that says so (`split_dp_args`).
+    DP_COMPUTE_PROTO = "dp_compute"
+    DP_COMPUTE_PROTO_WITH_FUNC = "dp_compute"  # a function argument is broadcast, as every non-DataProto one is
 
 
 class Execute(enum.StrEnum):
@@ -217,8 +221,18 @@ def _is_data(value) -> bool:
 
 
 def split_dp_args(layout: Layout, args: tuple, kwargs: dict, *, first_mp_rank_only: bool) -> PerWorkerArgs:
-    """Split every DataProto (or DataProtoFuture) argument into dp_size shards; other arguments are broadcast."""
+    """Split every DataProto (or DataProtoFuture) argument into dp_size shards; other arguments are broadcast.
+
+    A call with no DataProto argument has nothing to split: a ValueError, which names ALL_TO_ALL when an argument
+    is a list (verl's DP_COMPUTE gives worker i element i of each list; here that is ALL_TO_ALL)."""
     dp_size = layout.dp_size
+    if not any(_is_data(v) for v in [*args, *kwargs.values()]):
+        lists = [where for where, v in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
+                 if isinstance(v, (list, tuple))]
+        hint = (f"; {lists[0]} is a list: to give worker i its element i (verl's Dispatch.DP_COMPUTE), register the "
+                "method with Dispatch.ALL_TO_ALL" if lists else
+                "; pass a DataProto, or register the method with Dispatch.ONE_TO_ALL to send the same arguments to all")
+        raise ValueError(f"a dp dispatch mode splits DataProto arguments by dp rank, and this call has none{hint}")
     lengths = {k: len(v) for k, v in [*enumerate(args), *kwargs.items()] if _is_data(v)}  # a future's costs only row counts
     if len(set(lengths.values())) > 1:
         raise ValueError(f"DataProto arguments of one dp call must have the same length; got {lengths}")
