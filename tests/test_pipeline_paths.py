@@ -94,7 +94,7 @@ TWO_STEP_DEMO = ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=2", "data.ma
                  "rlvr.sampling.num_samples_per_prompt=2"]
 
 
-@pytest.mark.parametrize("name", ["ppo.yaml", "dapo.yaml", "dr_grpo.yaml", "gspo.yaml"])
+@pytest.mark.parametrize("name", ["ppo.yaml", "dapo.yaml", "dr_grpo.yaml", "gspo.yaml", "remax.yaml", "gdpo.yaml"])
 def test_the_algorithm_examples_run_for_two_steps_with_their_settings(tmp_path, name):
     pipeline_cls, config = resolve(os.path.join(EXAMPLES, name), [*TWO_STEP_DEMO, f"run_dir={tmp_path}"])
     summary = run_pipeline(pipeline_cls, config)
@@ -106,6 +106,11 @@ def test_the_algorithm_examples_run_for_two_steps_with_their_settings(tmp_path, 
     assert len(records) == 2 and all(r["actor/grad_norm"] >= 0 for r in records)
     if name == "ppo.yaml":
         assert (tmp_path / "rlvr" / "checkpoints" / "step_2" / "critic").is_dir()
+    if name == "remax.yaml":  # the greedy baseline was generated and scored
+        assert all("timing_s/gen_max" in r and 0 <= r["critic/baseline_score/mean"] <= 1 for r in records)
+    if name == "gdpo.yaml":  # the reward's parts reached the metrics; its score is the "correct" part
+        assert all(0 <= r["reward/format/mean"] <= 1 and r["reward/correct/mean"] == r["critic/score/mean"]
+                   for r in records)
 
 
 def test_the_transform_example_runs(tmp_path):

@@ -7,6 +7,7 @@ from baton.algorithms.advantages import (
     EstimatorNeeds,
     compute_advantages,
     estimator_needs,
+    estimator_params,
     gae,
     gdpo,
     get_adv_estimator,
@@ -57,10 +58,10 @@ from baton.algorithms.utils import masked_mean, masked_var, masked_whiten
 __all__ = [
     "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES", "AdaptiveKLController",
     "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty", "cispo_loss", "clip_cov_loss",
-    "compute_advantages", "compute_policy_loss", "count_loss_units", "entropy_loss", "estimator_needs", "gae",
-    "gdpo", "get_adv_estimator", "get_kl_estimator", "get_policy_loss", "gpg", "gpg_loss", "grpo", "grpo_passk",
-    "gspo_loss", "kl_cov_loss", "kl_penalty", "loss_unit", "masked_mean", "masked_var", "masked_whiten",
-    "num_loss_units", "opo", "policy_loss_params", "ppo_clip_loss", "register_adv_estimator",
+    "compute_advantages", "compute_policy_loss", "count_loss_units", "entropy_loss", "estimator_needs",
+    "estimator_params", "gae", "gdpo", "get_adv_estimator", "get_kl_estimator", "get_policy_loss", "gpg", "gpg_loss",
+    "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss", "kl_penalty", "loss_unit", "masked_mean", "masked_var",
+    "masked_whiten", "num_loss_units", "opo", "policy_loss_params", "ppo_clip_loss", "register_adv_estimator",
     "register_kl_estimator", "register_policy_loss", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
     "remax", "rloo", "value_loss",
 ]

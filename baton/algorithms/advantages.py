@@ -61,6 +61,11 @@ def get_adv_estimator(name: str) -> AdvantageFn:
     return ADV_ESTIMATORS[name]
 
 
+def estimator_params(name: str) -> frozenset[str]:
+    """The inputs estimator `name` takes (its signature's parameter names): what `compute_advantages` passes it."""
+    return frozenset(inspect.signature(get_adv_estimator(name)).parameters)
+
+
 def compute_advantages(estimator: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a registered estimator with the inputs its signature names, so a pipeline can pass
     everything it has (`token_level_rewards`, `response_mask`, `values`, `index`, `gamma`, ...)
@@ -310,8 +315,8 @@ def gdpo(
     """GDPO (arXiv 2601.05242, verl's "gdpo"): each reward component is normalised within its group
     as GRPO does, the results are summed with `reward_weights`, broadcast to the tokens and
     whitened over the batch's valid tokens. Without `reward_components` the one component is the
-    sequence score (GRPO followed by whitening). verl reads the components from the reward
-    function's extra outputs named by `algorithm.gdpo_reward_keys`; here the caller stacks them.
+    sequence score (GRPO followed by whitening). As in verl, the RLVR pipeline takes the components
+    from the fields of a dict reward named by `algorithm.gdpo_reward_keys`.
     returns = advantages."""
     if reward_components is None:
         reward_components = _sequence_scores(token_level_rewards, response_mask).unsqueeze(-1)

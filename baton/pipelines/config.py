@@ -167,6 +167,10 @@ class AlgorithmConfig:
     cliprange_value: float = 0.5
     num_ppo_epochs: int = 1
     num_mini_batches_per_step: int = 1
+    # An estimator that takes reward components (GDPO): the reward function's dict fields that are its components,
+    # and their weights (None: 1 each). Unset: the reward is the one component.
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None
 
 
 @dataclass
@@ -251,9 +255,7 @@ class RLVRConfig:
         if not needs.critic and self.critic is not None:
             raise ConfigError(f"a `critic:` section is set but algorithm.adv_estimator {algo.adv_estimator!r} uses no "
                               "critic; remove the section, or use adv_estimator 'gae'")
-        if needs.baseline_rollout:
-            raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} needs a baseline rollout (a greedy "
-                              "sample per prompt), which the RLVR pipeline does not generate yet; use 'grpo' or 'rloo'")
+        _check_reward_components(algo)
         if self.critic is not None and self.critic.strategy.kind != "value":
             raise ConfigError(f"critic.strategy.kind is {self.critic.strategy.kind!r}; a critic predicts values: "
                               "set critic.strategy.kind: value")
@@ -326,6 +328,28 @@ def _check_data(data: DataConfig | None) -> None:
 def _check_choice(key: str, value: str, valid) -> None:
     if value not in valid:
         raise ConfigError(f"{key} {value!r} is not one of {sorted(valid)}")
+
+
+def _check_reward_components(algo: AlgorithmConfig) -> None:
+    from baton.algorithms import ADV_ESTIMATORS, estimator_params
+
+    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
+    if weights is not None and keys is None:
+        raise ConfigError("algorithm.gdpo_reward_weights weighs the reward components named by "
+                          "algorithm.gdpo_reward_keys, which is unset; set it too, or unset the weights")
+    if keys is None:
+        return
+    if not keys:
+        raise ConfigError("algorithm.gdpo_reward_keys is empty; list the reward function's fields that are the reward "
+                          "components, or unset it")
+    if "reward_components" not in estimator_params(algo.adv_estimator):
+        takers = sorted(n for n in ADV_ESTIMATORS if "reward_components" in estimator_params(n))
+        raise ConfigError(f"algorithm.gdpo_reward_keys is set, but algorithm.adv_estimator {algo.adv_estimator!r} "
+                          f"takes no reward components; use an estimator that does ({', '.join(takers)}), or unset "
+                          "gdpo_reward_keys")
+    if weights is not None and len(weights) != len(keys):
+        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} entries for the {len(keys)} "
+                          f"gdpo_reward_keys {keys}; give one weight per key")
 
 
 def _check_reward_fn(name: str, on_error: str) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 from baton.data import DataProto
 from baton.datasets import PromptDataset, collate_prompts
 from baton.pipelines.config import RoleConfig, SamplingConfig
+from baton.rewards import REWARD_EXTRA_PREFIX
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
@@ -39,7 +40,8 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
 
 
 def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: SamplingConfig, max_prompt_len: int) -> dict:
-    """Accuracy (share of responses with reward >= 1) and mean reward on the held-out prompts."""
+    """Accuracy (share of responses with reward >= 1), mean reward (and of each further field of a dict reward) on the
+    held-out prompts."""
     if data is None or not len(data):
         return {}
     prompts = collate_prompts(data, range(len(data)), tokenizer, max_prompt_len)
@@ -48,10 +50,16 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
     scores = rewards.batch["scores"].numpy()
     return {"val/accuracy": float(np.mean(scores >= 1.0)), "val/reward/mean": float(scores.mean()),
             "val/response_length/mean": float(out.batch["response_mask"].sum(-1).float().mean()),
-            **reward_error_count(rewards, "val/")}
+            **reward_error_count(rewards, "val/"), **reward_extra_metrics(rewards, "val/")}
 
 
 def reward_error_count(rewards: DataProto, prefix: str = "") -> dict[str, float]:
     """`reward/num_errors`: the rows the reward function raised on and that were scored 0 (reward_on_error: zero)."""
     counts = rewards.meta_info.get("metrics", {}).get("reward/num_errors", 0)
     return {f"{prefix}reward/num_errors": float(np.sum(counts))}
+
+
+def reward_extra_metrics(rewards: DataProto, prefix: str = "") -> dict[str, float]:
+    """`reward/<key>/mean`: the batch mean of each further field of a reward function that returns a dict."""
+    return {f"{prefix}reward/{name.removeprefix(REWARD_EXTRA_PREFIX)}/mean": float(values.mean())
+            for name, values in rewards.batch.items() if name.startswith(REWARD_EXTRA_PREFIX)}

@@ -1,7 +1,7 @@
 """RLVR: reinforcement learning on verifiable rewards, GRPO (no critic) or PPO (critic + GAE).
 
-The loop: generate → reward → old/ref log-probs (and values) → advantages → update → sync →
-validate → checkpoint. Copy `run()` to make a new algorithm.
+The loop: generate (and, for ReMax, a greedy baseline) → reward → old/ref log-probs (and values) → advantages →
+update → sync → validate → checkpoint. Copy `run()` to make a new algorithm.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import AlgorithmConfig, RLVRConfig
 from baton.pipelines.losses import PolicyLoss, ValueLoss
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, reward_error_count, validate
+from baton.pipelines.policy import (FUSED_POLICY, connect_policy, policy_roles, reward_error_count,
+                                    reward_extra_metrics, validate)
+from baton.rewards import REWARD_EXTRA_PREFIX, RewardError
+from baton.strategy import SamplingParams
 from baton.workers import CriticWorker, ReferenceWorker, RewardWorker
 
 
@@ -55,6 +58,9 @@ class RLVRPipeline(Pipeline):
         self.kl_ctrl = (AdaptiveKLController(algo.kl_reward_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
                         if algo.use_kl_in_reward and algo.kl_ctrl.type == "adaptive" else None)
         self.signal_watch = SignalWatch(algo.adv_estimator) if needs.groups else None
+        # ReMax (verl): one greedy response per prompt, whose reward is the baseline of that prompt's samples.
+        self.baseline_sampling = (SamplingParams(temperature=0.0, max_new_tokens=config.sampling.max_new_tokens, n=1)
+                                  if needs.baseline_rollout else None)
         # One update per batch is on-policy: the loss detaches the current log-probs instead (as TRL does).
         # Several epochs or mini-batches move the weights between updates, the KL reward penalty needs the
         # log-probs before the update, and with sync_every_steps > 1 they measure how far the rollout's older
@@ -95,7 +101,10 @@ class RLVRPipeline(Pipeline):
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], num_steps=len(batch))
         advantages, returns = compute_advantages(
             algo.adv_estimator, token_level_rewards=rewards, response_mask=data["response_mask"],
-            index=batch.non_tensor_batch["uid"], values=data.get("values"), gamma=algo.gamma, lam=algo.lam,
+            index=batch.non_tensor_batch["uid"], values=data.get("values"),
+            reward_baselines=data.get("reward_baselines"),
+            reward_components=reward_components(data, algo.gdpo_reward_keys, self.config.reward_fn),
+            reward_weights=algo.gdpo_reward_weights, gamma=algo.gamma, lam=algo.lam,
             norm_adv_by_std=algo.norm_adv_by_std,
         )
         batch.batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
@@ -118,10 +127,16 @@ class RLVRPipeline(Pipeline):
         for step in self.training_steps("rlvr"):
             with self.timer("step"):
                 with self.timer("gen"):
-                    batch = self.rollout.generate(self.next_prompts(), self.config.sampling.params())
+                    prompts = self.next_prompts()
+                    batch = self.rollout.generate(prompts, self.config.sampling.params())
+                if self.baseline_sampling is not None:
+                    with self.timer("gen_max"):
+                        baseline = self.rollout.generate(prompts, self.baseline_sampling)
+                        baseline_rewards = self.reward.compute_rewards(baseline)
+                        batch.batch["reward_baselines"] = baseline_per_row(baseline, baseline_rewards, batch)
                 with self.timer("reward"):
                     rewards = self.reward.compute_rewards(batch)
-                    batch = batch.union(rewards.select(["scores", "token_level_scores"], [], []))
+                    batch = batch.union(rewards.select(None, [], []))  # scores, token_level_scores, reward_extra/*
                 if self.needs_old_log_probs:
                     with self.timer("old_log_prob"):
                         batch.batch["old_log_probs"] = self.actor.compute_log_probs(batch).batch["log_probs"]
@@ -141,7 +156,8 @@ class RLVRPipeline(Pipeline):
                 if step % trainer.sync_every_steps == 0:
                     with self.timer("sync"):
                         self.update_pairs[0].sync()
-            metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **adv_metrics, **_prefixed(actor_metrics, "actor/"),
+            metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
+                       **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
             if self.signal_watch is not None:
                 self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
@@ -160,6 +176,8 @@ class RLVRPipeline(Pipeline):
             "response/stop_ratio": float(np.mean(batch.non_tensor_batch["finish_reason"] == "stop")),
             "perf/throughput": float(data["attention_mask"].sum()) / step_s,
         }
+        if "reward_baselines" in data:  # ReMax: the greedy responses' mean reward (each prompt's, n times)
+            metrics["critic/baseline_score/mean"] = float(data["reward_baselines"].mean())
         if "old_log_probs" in data and "rollout_log_probs" in data:
             metrics.update(logprob_gap(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
         if self.signal_watch is not None:  # group estimators: the share of groups that teach nothing
@@ -170,6 +188,31 @@ class RLVRPipeline(Pipeline):
     def validate(self) -> dict[str, float]:
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
+
+
+def baseline_per_row(baseline: DataProto, baseline_rewards: DataProto, batch: DataProto) -> torch.Tensor:
+    """ReMax's `reward_baselines` [rows]: for each row of `batch`, the reward of the greedy response (`baseline`, one
+    per prompt, scored as `baseline_rewards`) to its prompt: its token-level scores summed (verl), matched by uid."""
+    reward = baseline_rewards.batch["token_level_scores"].sum(-1)  # [prompts]
+    by_uid = dict(zip(baseline.non_tensor_batch["uid"].tolist(), reward.tolist()))
+    assert len(by_uid) == len(baseline), "one greedy response per prompt"
+    return torch.tensor([by_uid[uid] for uid in batch.non_tensor_batch["uid"].tolist()], dtype=torch.float32)
+
+
+def reward_components(data: dict[str, torch.Tensor], keys: list[str] | None, reward_fn: str) -> torch.Tensor | None:
+    """The reward function's fields `keys` (algorithm.gdpo_reward_keys) stacked as [rows, len(keys)]; None without
+    keys."""
+    if keys is None:
+        return None
+    missing = [key for key in keys if REWARD_EXTRA_PREFIX + key not in data]
+    if missing:
+        returned = sorted(name.removeprefix(REWARD_EXTRA_PREFIX) for name in data
+                          if name.startswith(REWARD_EXTRA_PREFIX))
+        raise RewardError(
+            f"algorithm.gdpo_reward_keys names {', '.join(map(repr, missing))}, which reward function {reward_fn!r} "
+            f"does not return; the fields it returned beside 'score': {returned}. A reward function returns reward "
+            "components as a dict, e.g. {'score': 1.0, 'format': 1.0, 'correct': 1.0}")
+    return torch.stack([data[REWARD_EXTRA_PREFIX + key] for key in keys], dim=-1)
 
 
 def policy_loss_settings(algo) -> dict:
@@ -246,4 +289,5 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {(k if "/" in k else prefix + k): v for k, v in metrics.items()}
 
 
-__all__ = ["RLVRPipeline", "SignalWatch", "StaleSamplesWarning", "logprob_gap", "zero_std_group_fraction"]
+__all__ = ["RLVRPipeline", "SignalWatch", "StaleSamplesWarning", "baseline_per_row", "logprob_gap", "reward_components",
+           "zero_std_group_fraction"]

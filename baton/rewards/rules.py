@@ -1,4 +1,5 @@
-"""Rule-based rewards: exact match, math answers (\\boxed{...} or the last number, normalised), answer format."""
+"""Rule-based rewards: exact match (also split into format and correctness), math answers (\\boxed{...} or the last
+number, normalised), answer format."""
 
 from __future__ import annotations
 
@@ -61,3 +62,15 @@ def format_reward(response: str, ground_truth: str, pattern: str = r"\\boxed\{.+
 def exact_match(response: str, ground_truth: str, **fields) -> float:
     """1.0 when the response, stripped of surrounding whitespace, equals the ground truth; else 0.0."""
     return float(response.strip() == str(ground_truth).strip())
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+@register_reward("exact_match_parts")
+def exact_match_parts(response: str, ground_truth: str, **fields) -> dict[str, float]:
+    """`exact_match` as its score, with two reward components (for GDPO's `gdpo_reward_keys`): "format", 1.0 when
+    the stripped response is an integer, and "correct", 1.0 when it equals the ground truth."""
+    answer = response.strip()
+    correct = float(answer == str(ground_truth).strip())
+    return {"score": correct, "format": float(_INTEGER.fullmatch(answer) is not None), "correct": correct}

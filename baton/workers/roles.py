@@ -8,7 +8,7 @@ import torch
 from baton.data import DataProto
 from baton.distributed import Dispatch, Worker, register
 from baton.models import load_tokenizer
-from baton.rewards import REWARD_ON_ERROR, get_reward_fn, score_rows
+from baton.rewards import REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, get_reward_fn, score_rows
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
 from baton.workers.model import ModelWorker
 
@@ -103,18 +103,21 @@ class RewardWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
         """`scores` [rows] and `token_level_scores` [rows, response_len] (the score on the last response token),
-        non-tensor `response_text`, and meta_info["metrics"]["reward/num_errors"] (rows scored 0 by on_error "zero")."""
+        `reward_extra/<key>` [rows] float32 for each further field of a function that returns a dict (verl's
+        compute_score dict: the reward under "score"), non-tensor `response_text`, and
+        meta_info["metrics"]["reward/num_errors"] (rows scored 0 by on_error "zero")."""
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         if "ground_truth" not in batch.non_tensor_batch:
             raise ValueError(f"compute_rewards needs a non-tensor 'ground_truth' column; got {sorted(batch.non_tensor_batch)}")
         fields = {k: v for k, v in batch.non_tensor_batch.items() if k != "ground_truth"}
-        values, num_errors = score_rows(self.reward_fn, self.reward_name, texts, batch.non_tensor_batch["ground_truth"],
-                                        fields, self.on_error)
+        values, extras, num_errors = score_rows(self.reward_fn, self.reward_name, texts,
+                                                batch.non_tensor_batch["ground_truth"], fields, self.on_error)
         scores = torch.tensor(values, dtype=torch.float32)
         token_level = torch.zeros(mask.shape, dtype=torch.float32)
         last = (mask.sum(-1) - 1).clamp(min=0)
         token_level[torch.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
-        return DataProto.from_dict({"scores": scores, "token_level_scores": token_level},
+        columns = {REWARD_EXTRA_PREFIX + k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
+        return DataProto.from_dict({"scores": scores, "token_level_scores": token_level, **columns},
                                    {"response_text": np.array(texts, dtype=object)},
                                    meta_info={"metrics": {"reward/num_errors": num_errors}})
