@@ -18,7 +18,8 @@ def read_rows(path: str) -> tuple[list[Any], list[int], str]:
     """(rows, positions, unit) of a `.jsonl` or `.parquet` file: each row as parsed, not yet checked.
 
     A row's position is its 1-based line number in a jsonl file (unit "line"; blank lines count but give
-    no row) or its 0-based index in a parquet file (unit "row").
+    no row) or its 0-based index in a parquet file (unit "row"). Parquet rows come as JSON would give them:
+    struct columns (verl's `reward_model`, `extra_info`) as dicts, list columns (chat messages) as lists.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file {path} does not exist")

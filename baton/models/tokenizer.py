@@ -21,6 +21,12 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 # Newline and printable ASCII (space through "~"), in ASCII order: ids 4..99.
 CHARACTERS = "\n" + "".join(chr(code) for code in range(ord(" "), ord("~") + 1))
 CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
+# The character tokenizer's chat template: one "role: content" line per message, then "assistant: " to answer
+# after; its own text is printable ASCII, so a conversation over CHARACTERS renders to text over CHARACTERS.
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -30,7 +36,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     character to one `<unk>`; nothing is merged or prepended, and no bos/eos is added.
     `decode(encode(text)) == text` for any text over `CHARACTERS`. Special-token strings in the
     text (a literal "<eos>") are split into characters too, so model output re-encodes to the same
-    characters; insert special tokens by id.
+    characters; insert special tokens by id. Its chat template is `CHAR_CHAT_TEMPLATE`.
 
     It is a byte-level BPE with no merges (space is stored as "Ġ", newline as "Ċ") because
     transformers 5's `AutoTokenizer` loads any directory holding a Qwen2 `config.json` as a
@@ -56,6 +62,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         split_special_tokens=True,
         # transformers 4 defaulted this to True, which deletes the space in " ." and breaks round trips.
         clean_up_tokenization_spaces=False,
+        chat_template=CHAR_CHAT_TEMPLATE,
     )
 
 
@@ -73,7 +80,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str) -> None:
 
     Call it after the model's `config.json` is in `directory`: `AutoTokenizer` chooses its class
     from the model type. Raises `RuntimeError` when `load_tokenizer(directory)` encodes a probe
-    text differently from `tokenizer`; warns when only plain `AutoTokenizer.from_pretrained` does.
+    text differently from `tokenizer` or has another chat template (transformers 5 writes it to
+    chat_template.jinja); warns when only plain `AutoTokenizer.from_pretrained` encodes differently.
     """
     tokenizer.save_pretrained(directory)
     # transformers 5 records its internal class name "TokenizersBackend", which transformers 4
@@ -89,8 +97,11 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
     expected = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    if load_tokenizer(directory)(_PROBE_TEXT, add_special_tokens=False)["input_ids"] != expected:
+    loaded = load_tokenizer(directory)
+    if loaded(_PROBE_TEXT, add_special_tokens=False)["input_ids"] != expected:
         raise RuntimeError(f"the tokenizer saved in {directory} encodes text differently once loaded back")
+    if loaded.chat_template != tokenizer.chat_template:
+        raise RuntimeError(f"the tokenizer saved in {directory} has another chat template once loaded back")
     plain = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if plain(_PROBE_TEXT, add_special_tokens=False)["input_ids"] != expected:
         warnings.warn(

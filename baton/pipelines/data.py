@@ -11,8 +11,9 @@ from baton.pipelines.config import DataConfig
 def load_datasets(config: DataConfig, tokenizer_path: str | None):
     """(train, val, tokenizer): the arithmetic task's fixed split, or the configured files.
 
-    Every row is checked here (see `PromptDataset`), and every prompt's length in tokens against
-    `data.max_prompt_len` (`data.overlong_prompts`); bad data raises DataError naming the file and row.
+    Every row is checked here (see `PromptDataset`), chat prompts are rendered with the tokenizer's chat template,
+    and every prompt's length in tokens (the rendered text's) is checked against `data.max_prompt_len`
+    (`data.overlong_prompts`); bad data raises DataError naming the file and row.
     """
     tokenizer = load_tokenizer(tokenizer_path)
     if config.task == "arithmetic":
@@ -27,7 +28,9 @@ def load_datasets(config: DataConfig, tokenizer_path: str | None):
 
 
 def load_prompt_file(config: DataConfig, path: str, tokenizer) -> PromptDataset:
-    """The prompt file `path` with `config`'s keys, checked, its over-long prompts handled by `data.overlong_prompts`.
-    A relative path not found in the working directory is read from the config file's directory."""
+    """The prompt file `path` with `config`'s keys, checked, its chat prompts rendered by `tokenizer`'s chat template
+    (`PromptDataset.render_chat`), its over-long prompts handled by `data.overlong_prompts`. A relative path not
+    found in the working directory is read from the config file's directory."""
     dataset = PromptDataset.from_file(find_file(path), config.prompt_key, config.answer_key, config.response_key)
+    dataset = dataset.render_chat(tokenizer)
     return dataset.check_prompt_lengths(tokenizer, config.max_prompt_len, config.overlong_prompts)
