@@ -113,11 +113,14 @@ def evaluate_or_generate(args) -> int:
 
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars would bury the result
     try:
-        prompts = [*args.prompt, *read_prompts(args.prompts_file)] if args.command == "generate" else []
-        if args.command == "generate" and not prompts:
+        if args.command == "generate" and not (args.prompt or args.prompts_file):
             raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
         policy = evaluate.load_policy(args.checkpoint, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                       num_samples=args.num_samples)
+        prompts = ([*args.prompt, *read_prompts(args.prompts_file, policy.strategy.tokenizer)]
+                   if args.command == "generate" else [])
+        if args.command == "generate" and not prompts:
+            raise ValueError(f"no prompts in {args.prompts_file}: pass --prompt TEXT or a file with prompts")
         if not policy.from_run_config:
             print(f"baton: no run config.yaml above {policy.model_dir}; using its own tokenizer (else baton's), "
                   "the default arithmetic task, exact_match and greedy decoding", file=sys.stderr)
@@ -132,15 +135,15 @@ def evaluate_or_generate(args) -> int:
     return 0
 
 
-def read_prompts(path: str | None) -> list[str]:
-    """The prompts of a .jsonl/.parquet prompt file (its "prompt" field), or the lines of a text file."""
+def read_prompts(path: str | None, tokenizer) -> list[str]:
+    """The prompts of a .jsonl/.parquet prompt file (its "prompt" field; chat messages rendered by `tokenizer`'s
+    chat template), or the lines of a text file."""
     if path is None:
         return []
     if path.endswith((".jsonl", ".parquet")):
         from baton.datasets import PromptDataset
 
-        examples = PromptDataset.from_file(path, answer_key="prompt").examples  # no answer needed to generate
-        return [str(e["prompt"]) for e in examples]
+        return PromptDataset.from_file(path, answer_key=None).render_chat(tokenizer).text_prompts()
     with open(path) as f:
         return [line.rstrip("\n") for line in f if line.strip()]
 

@@ -50,8 +50,8 @@ def test_good_rows_load_with_number_answers_as_text_and_extra_fields_riding_alon
     ('{"prompt": null, "answer": "2"}', r"line 2: the prompt 'prompt' is null; it must be a non-empty string"),
     ('{"prompt": "", "answer": "2"}', r"line 2: the prompt 'prompt' is a string \(''\); it must be a non-empty string"),
     ('{"prompt": 12, "answer": "2"}', r"line 2: the prompt 'prompt' is a number \(12\)"),
-    ('{"prompt": [{"role": "user", "content": "hi"}], "answer": "2"}',
-     r"line 2: the prompt 'prompt' is a list \(chat messages\?\).*apply_chat_template"),
+    ('{"prompt": [{"role": "user"}], "answer": "2"}',
+     r"line 2: the prompt 'prompt' is a list, so chat messages, but message 0 is an object .*string \"content\""),
     ('{"question": "1+1=", "answer": "2"}', r"line 2: no 'prompt' field \(fields: \['answer', 'question'\]\); set data.prompt_key"),
     ('{"prompt": "1+1="}', r"line 2: no 'answer' field \(fields: \['prompt'\]\); set data.answer_key"),
     ('{"prompt": "1+1=", "answer": null}', r"line 2: the answer 'answer' is null"),
@@ -108,7 +108,9 @@ def test_generate_prompt_files_are_checked(tmp_path):
     """`baton generate --prompts-file` (and `baton eval --data`) read through PromptDataset.from_file."""
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1+1="}, {"prompt": None}])
     with pytest.raises(DataError, match=r"prompts\.jsonl, line 2: the prompt 'prompt' is null"):
-        read_prompts(path)
+        read_prompts(path, load_tokenizer())
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}]}, {"prompt": "2+2="}])
+    assert read_prompts(chat, load_tokenizer()) == ["user: 1+1=\nassistant: ", "2+2="]  # rendered by the chat template
 
 
 # ---- reserved names --------------------------------------------------------------------------------------------
