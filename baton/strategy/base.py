@@ -62,12 +62,20 @@ class StrategyConfig:
         gradient accumulation by row count, or greedily by a token budget; at most one of them.
     logprob_chunk_size: tokens per chunk when turning hidden states into log-probs, so a full
         vocabulary float32 log-softmax never exists for the whole batch.
+    dtype: the parameters' dtype, and so the optimizer's: AdamW updates parameters of this dtype.
+    compute_dtype: None computes in `dtype`; "bfloat16" is mixed precision: the parameters stay in
+        `dtype` (which must be float32: the master copy, with float32 gradients and AdamW state),
+        forward and backward compute in bf16 (fsdp2: a `MixedPrecisionPolicy` with float32 gradient
+        reduction; hf: `torch.autocast`), and log-probs come from float32 logits. A role that trains
+        bf16 parameters instead loses updates below bf16's resolution (a relative 2^-8): a 1e-6
+        learning-rate step rounds to nothing. float16 compute needs loss scaling, which baton does not do.
     """
 
     name: str = "hf"
     model: str | dict = "tiny-qwen2"
     kind: str = "causal_lm"
     dtype: str = "float32"
+    compute_dtype: str | None = None
     seed: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -93,10 +101,26 @@ class StrategyConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+        if self.compute_dtype == "float16":
+            raise ValueError("compute_dtype 'float16' needs loss scaling against gradient underflow, which baton does "
+                             "not do; use compute_dtype: bfloat16")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"compute_dtype {self.compute_dtype!r} is not one of None, 'float32', 'bfloat16'")
+        if self.compute_dtype is not None and self.dtype != "float32":
+            raise ValueError(f"compute_dtype {self.compute_dtype!r} computes from float32 master parameters, but dtype "
+                             f"is {self.dtype!r}; set dtype: float32 with compute_dtype: bfloat16 (mixed precision), "
+                             f"or drop compute_dtype to compute in {self.dtype}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def mixed_precision_dtype(self) -> torch.dtype | None:
+        """The compute dtype when it differs from the parameters' (mixed precision), else None."""
+        if self.compute_dtype is None or self.compute_dtype == self.dtype:
+            return None
+        return getattr(torch, self.compute_dtype)
 
 
 @dataclass

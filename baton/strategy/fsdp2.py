@@ -4,11 +4,14 @@ torch.distributed is initialised from the environment the cluster sets (RANK, WO
 MASTER_ADDR, MASTER_PORT): gloo on CPU, nccl on GPU. Every worker is a data-parallel rank
 (`RankInfo` dp_rank = rank). Because FSDP averages gradients over ranks, the strategy scales
 each rank's loss by world_size / global unit count, so N workers with shards of any sizes make
-the same update as one worker on the whole batch.
+the same update as one worker on the whole batch. With `compute_dtype` bfloat16 every shard group
+gathers its float32 parameters as bf16 for compute and reduces gradients in float32
+(`MixedPrecisionPolicy`), so the optimizer steps float32 shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -33,12 +36,19 @@ class Fsdp2Strategy(TorchStrategy):
         super().__init__(config, device or default_device())
 
     def _wrap(self, module):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        compute_dtype = self.config.mixed_precision_dtype
+        policy = MixedPrecisionPolicy() if compute_dtype is None else MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in module.model.base_model.layers:
-            fully_shard(layer)
-        fully_shard(module)
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
         return module
+
+    def _autocast(self):
+        """No autocast: the `MixedPrecisionPolicy` casts the parameters for compute."""
+        return contextlib.nullcontext()
 
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
         """As `TorchStrategy.forward`, then reshards the root. FSDP2 keeps the root's parameters unsharded after a

@@ -2,18 +2,21 @@
 
 Runs on CPU or one GPU. Generation is a batched sampling loop with a KV cache over left-padded
 prompts; log-probs come from hidden states a chunk of tokens at a time; training accumulates
-gradients over micro-batches and normalises the loss by the batch's global unit count.
+gradients over micro-batches and normalises the loss by the batch's global unit count. With
+`compute_dtype` bfloat16 the float32 parameters compute under `torch.autocast`.
 `TorchStrategy` holds everything but generation; `Fsdp2Strategy` shares it by overriding the
 methods under "(distributed hooks)".
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
+import warnings
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -118,6 +121,12 @@ class TorchStrategy:
     def _all_reduce_sum(self, value: float) -> float:
         return value
 
+    def _autocast(self):
+        """Mixed precision (`compute_dtype`): matmuls and attention in bf16 from the float32 parameters, which keep
+        float32 gradients; autocast leaves norms and softmax in float32, and the loss runs outside it."""
+        dtype = self.config.mixed_precision_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+
     @property
     def _grad_scale(self) -> float:
         """Factor that undoes any averaging of gradients over data-parallel ranks."""
@@ -152,8 +161,9 @@ class TorchStrategy:
         data = batch.batch
         attention_mask = data["attention_mask"].to(self.device)
         position_ids = data["position_ids"].to(self.device) if "position_ids" in data else position_ids_from_mask(attention_mask)
-        return self.module(data["input_ids"].to(self.device), attention_mask, position_ids, data["responses"].to(self.device),
-                           temperature, with_entropy, entropy_grad)
+        with self._autocast():
+            return self.module(data["input_ids"].to(self.device), attention_mask, position_ids,
+                               data["responses"].to(self.device), temperature, with_entropy, entropy_grad)
 
     @torch.no_grad()
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
@@ -165,6 +175,10 @@ class TorchStrategy:
 
     def _ensure_optimizer(self) -> None:
         if self.optimizer is None:
+            if self.config.dtype != "float32":
+                warnings.warn(f"training {self.config.dtype} parameters: AdamW updates them in {self.config.dtype}, "
+                              "where small updates round away (a 1e-6 learning-rate step moves most weights not at "
+                              "all); train with dtype: float32 and compute_dtype: bfloat16", stacklevel=3)
             opt = self.config.optimizer
             self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                                weight_decay=opt.weight_decay)
@@ -343,7 +357,8 @@ class HFStrategy(TorchStrategy):
                              "tokenize with padding_side='left'")
         generator = self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
-        out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator)
+        with self._autocast():
+            out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator)
         return generation_output(prompts, params, out["responses"], out["response_mask"], out["rollout_log_probs"],
                                  out["stopped"])
 

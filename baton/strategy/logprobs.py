@@ -88,6 +88,8 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
 
 def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,
                      with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # In mixed precision the matmul runs in bf16 (autocast, or FSDP2's bf16 parameters); the log-softmax and the
+    # entropy always run on float32 logits, so their error is the matmul's rounding, not bf16's over the vocabulary.
     logits = (hidden @ weight.T).float()  # [tokens, vocab]
     if inv_temperature != 1.0:
         logits = logits * inv_temperature
