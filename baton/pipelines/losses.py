@@ -1,4 +1,9 @@
-"""The loss callables the pipelines hand to `train_step`: picklable, configured once, summed over their units."""
+"""The loss callables the pipelines hand to `train_step`: picklable, configured once, summed over their units.
+
+Their metrics are (sum, count) pairs (see `baton.strategy.base.LossFn`): a loss term as its sum and
+its units, a per-token statistic as its mean times the valid tokens and the valid tokens, so every
+split of a batch over micro-batches and workers reports the value of the whole batch.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.algorithms import agg_loss, compute_policy_loss, entropy_loss, kl_penalty, num_loss_units, value_loss
+from baton.algorithms import (
+    agg_loss, compute_policy_loss, count_loss_units, entropy_loss, kl_penalty, loss_unit, num_loss_units, value_loss,
+)
+from baton.algorithms.utils import masked_count
 from baton.data import DataProto
+
+
+def unit_metric(loss: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str) -> tuple[float, float]:
+    """A term aggregated with `loss_agg_mode` as (its sum, its units): what the strategy normalises the loss by."""
+    return (float(loss.detach() * num_loss_units(mask, loss_agg_mode)),
+            float(count_loss_units(mask, loss_unit(loss_agg_mode))))
+
+
+def token_metric(mean: float, mask: torch.Tensor) -> tuple[float, float]:
+    """A mean over the valid tokens as (mean · tokens, tokens)."""
+    tokens = float(masked_count(mask))
+    return mean * tokens, tokens
 
 
 @dataclass(frozen=True)
@@ -29,7 +49,8 @@ class PolicyLoss:
         """Entropy needs a gradient only as a bonus term; otherwise it is a metric (see `LossFn`)."""
         return self.entropy_coeff != 0
 
-    def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto
+                 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
         mask = batch.batch["response_mask"]
         agg = {"loss_agg_mode": self.loss_agg_mode, "loss_scale_factor": self.loss_scale_factor}
         # On-policy (one epoch, one mini-batch) the pipeline skips the old log-prob pass: the weights that
@@ -39,16 +60,18 @@ class PolicyLoss:
             old_log_probs = outputs["log_probs"].detach()
         loss, metrics = compute_policy_loss(self.policy_loss, outputs["log_probs"], old_log_probs,
                                             batch.batch["advantages"], mask, **self.settings, **agg)
-        out = {"actor/pg_loss": float(loss.detach()), **{f"actor/{k}": float(v) for k, v in metrics.items()}}
+        # The policy losses' own metrics are means over the valid tokens.
+        out = {"actor/pg_loss": unit_metric(loss, mask, self.loss_agg_mode),
+               **{f"actor/{k}": token_metric(float(v), mask) for k, v in metrics.items()}}
         entropy = entropy_loss(outputs["entropy"], mask, **agg)
-        out["actor/entropy"] = float(entropy.detach())
+        out["actor/entropy"] = unit_metric(entropy, mask, self.loss_agg_mode)
         if self.entropy_coeff:
             loss = loss - self.entropy_coeff * entropy
         if self.kl_loss_coef:
             kl = agg_loss(kl_penalty(outputs["log_probs"], batch.batch["ref_log_probs"], self.kl_loss_estimator), mask,
                           self.loss_agg_mode, self.loss_scale_factor)
             loss = loss + self.kl_loss_coef * kl
-            out["actor/kl"] = float(kl.detach())
+            out["actor/kl"] = unit_metric(kl, mask, self.loss_agg_mode)
         return loss * num_loss_units(mask, self.loss_agg_mode), out
 
 
@@ -58,12 +81,14 @@ class ValueLoss:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
 
-    def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto
+                 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
         mask = batch.batch["response_mask"]
         loss, metrics = value_loss(outputs["values"], batch.batch["values"], batch.batch["returns"], mask,
                                    self.cliprange_value, self.loss_agg_mode, self.loss_scale_factor)
-        return loss * num_loss_units(mask, self.loss_agg_mode), {"critic/vf_loss": float(loss.detach()),
-                                                                  "critic/vf_clipfrac": metrics["vf_clipfrac"]}
+        return loss * num_loss_units(mask, self.loss_agg_mode), {
+            "critic/vf_loss": unit_metric(loss, mask, self.loss_agg_mode),
+            "critic/vf_clipfrac": token_metric(metrics["vf_clipfrac"], mask)}
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,20 @@ class SamplingParams:
 # or sequences) plus metrics. The strategy divides by the global unit count across micro-batches
 # and data-parallel ranks, so any split of the batch gives the same update. A loss whose
 # `entropy_grad` attribute is False uses the entropy only as a metric, which spares its backward pass.
-LossFn = Callable[[dict[str, torch.Tensor], DataProto], "tuple[torch.Tensor, dict[str, float]]"]
+# A metric is a float or a (sum, count) pair. The strategy adds up both over the micro-batches and
+# data-parallel ranks and reports sum / max(count, 1): a pair (e.g. a token mean as (mean · tokens,
+# tokens), a loss as (its sum, its units)) gives the same value whatever the split of the batch; a
+# float counts 1 per micro-batch, so it is averaged over micro-batches. A padding micro-batch
+# (meta_info["baton_padding"]) counts nothing. Every micro-batch returns the same metric names.
+LossFn = Callable[[dict[str, torch.Tensor], DataProto], "tuple[torch.Tensor, dict[str, float | tuple[float, float]]]"]
+
+
+def metric_sum_count(value) -> tuple[float, float]:
+    """A loss function's metric as (sum, count); a float counts 1 (see `LossFn`)."""
+    if isinstance(value, tuple):
+        total, count = value
+        return float(total), float(count)
+    return float(value), 1.0
 
 
 @runtime_checkable

@@ -60,13 +60,14 @@ class Fsdp2Strategy(TorchStrategy):
         finally:
             self.module.reshard()
 
-    def _all_reduce_sum(self, value: float) -> float:
-        return self._all_reduce(value, dist.ReduceOp.SUM)
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
 
-    def _all_reduce(self, value: float, op) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
+    def _all_reduce(self, values: list[float], op) -> list[float]:
+        """One collective for all `values` (float64, so sums of token counts stay exact)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(tensor, op=op)
-        return float(tensor)
+        return tensor.tolist()
 
     @property
     def _collective_device(self) -> torch.device:
@@ -82,8 +83,8 @@ class Fsdp2Strategy(TorchStrategy):
         if len(batch) == 0:
             raise ValueError("fsdp2 needs at least one row on every worker; give the cluster fewer workers or more rows")
         pieces = super()._micro_batches(batch)
-        most = int(self._all_reduce(len(pieces), dist.ReduceOp.MAX))
-        for _ in range(most - len(pieces)):
+        [most] = self._all_reduce([len(pieces)], dist.ReduceOp.MAX)
+        for _ in range(int(most) - len(pieces)):
             filler = batch[:1]
             filler.meta_info["baton_padding"] = True
             pieces.append(filler)

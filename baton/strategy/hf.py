@@ -26,7 +26,7 @@ from baton.algorithms.aggregation import LOSS_UNITS, count_loss_units
 from baton.checkpoint import has_state, load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
-from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
 from baton.strategy.sampling import generation_output, sample
 
@@ -118,8 +118,9 @@ class TorchStrategy:
     def _wrap(self, model):
         return model
 
-    def _all_reduce_sum(self, value: float) -> float:
-        return value
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Each value summed over data-parallel ranks."""
+        return values
 
     def _autocast(self):
         """Mixed precision (`compute_dtype`): matmuls and attention in bf16 from the float32 parameters, which keep
@@ -191,26 +192,35 @@ class TorchStrategy:
         self.module.train()
         # The loss sums over units (tokens, sequences with a valid token); "none" (token-sum) is divided by 1.
         local_units = float(count_loss_units(batch.batch["response_mask"], loss_unit))
-        global_units = max(self._all_reduce_sum(local_units), 1.0)
+        [global_units] = self._all_reduce_sum([local_units])
+        global_units = max(global_units, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, metric_sums, micro_batches = 0.0, {}, self._micro_batches(batch)
-        for micro_batch in micro_batches:
+        loss_total, metric_sums = 0.0, {}  # metric_sums: name -> [sum, count] over this rank's micro-batches
+        for micro_batch in self._micro_batches(batch):
             outputs = self._outputs(micro_batch, temperature=sampling_temperature(micro_batch),
                                     entropy_grad=getattr(loss_fn, "entropy_grad", True))
             micro_batch = micro_batch.to(self.device)
             loss_sum, metrics = loss_fn(outputs, micro_batch)
-            if micro_batch.meta_info.get("baton_padding"):  # keeps collectives in step; contributes nothing
+            padding = micro_batch.meta_info.get("baton_padding")  # keeps collectives in step; contributes nothing
+            if padding:
                 loss_sum = loss_sum * 0.0
             (loss_sum * (self._grad_scale / global_units)).backward()
             loss_total += float(loss_sum.detach()) / global_units
             for key, value in metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + float(value) / len(micro_batches)
+                total, count = (0.0, 0.0) if padding else metric_sum_count(value)
+                sums = metric_sums.setdefault(key, [0.0, 0.0])
+                sums[0], sums[1] = sums[0] + total, sums[1] + count
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() sets the next step's
         self.optimizer.step()
         self.scheduler.step()
         self.global_step += 1
-        return {"loss": self._all_reduce_sum(loss_total), "grad_norm": grad_norm, "lr": lr, **metric_sums}
+        # One collective for the loss and every metric: [loss, sum_1, count_1, sum_2, count_2, ...]; the same
+        # names on every rank (see `LossFn`), in sorted order.
+        names = sorted(metric_sums)
+        totals = self._all_reduce_sum([loss_total, *(x for name in names for x in metric_sums[name])])
+        metrics = {name: totals[1 + 2 * i] / max(totals[2 + 2 * i], 1.0) for i, name in enumerate(names)}
+        return {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, **metrics}
 
     def _clip_gradients(self) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")

@@ -16,7 +16,7 @@ from baton.algorithms.aggregation import count_loss_units
 from baton.checkpoint import load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import load_tokenizer
-from baton.strategy.base import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.sampling import generation_output
 
 
@@ -71,8 +71,9 @@ class MockStrategy:
         grad_norm = float(self.scalar.grad.abs()) if self.scalar.grad is not None else 0.0
         self.optimizer.step()
         self.global_step += 1
+        sums_counts = {key: metric_sum_count(value) for key, value in metrics.items()}
         return {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": self.config.optimizer.lr,
-                **{k: float(v) for k, v in metrics.items()}}
+                **{key: total / max(count, 1.0) for key, (total, count) in sums_counts.items()}}
 
     def export_weights(self, bucket_bytes: int = 256 << 20):
         yield {"scalar": self.scalar.detach().clone()}
