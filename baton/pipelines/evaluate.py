@@ -91,7 +91,9 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
 
 
 def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str | None = None) -> dict:
-    """Accuracy and mean reward of `policy` on the run's held-out data (or the prompt file `data_path`)."""
+    """Accuracy, pass@k (with several samples per prompt: `pass@2`, `pass@4`, … `pass@{n}`) and mean reward of
+    `policy` on the run's held-out data (or the prompt file `data_path`), and verl's val-core metrics of each data
+    source ("val-core": {"<data_source>/reward/mean@{n}": ..., ...}), as the run logged them."""
     from baton.pipelines.data import load_datasets, load_prompt_file
     from baton.pipelines.policy import validate
     from baton.workers import RewardWorker
@@ -106,11 +108,15 @@ def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str 
     reward_fn = reward_fn or policy.reward_fn
     metrics = validate(policy.strategy, RewardWorker(reward_fn, policy.tokenizer_path), val, policy.strategy.tokenizer,
                        policy.sampling, policy.data.max_prompt_len)
-    return {"checkpoint": policy.model_dir, "accuracy": metrics["val/accuracy"], "mean_reward": metrics["val/reward/mean"],
-            "mean_response_length": metrics["val/response_length/mean"], "n": len(val),
-            "num_samples_per_prompt": policy.sampling.num_samples_per_prompt, "temperature": policy.sampling.temperature,
-            "max_new_tokens": policy.sampling.max_new_tokens, "reward_fn": reward_fn,
-            "data": data_path or ("held-out split" if policy.data.task == "arithmetic" else policy.data.val_path)}
+    pass_at_k = {key.removeprefix("val/"): value for key, value in metrics.items() if key.startswith("val/pass@")}
+    return {"checkpoint": policy.model_dir, "accuracy": metrics["val/accuracy"], **pass_at_k,
+            "mean_reward": metrics["val/reward/mean"], "mean_response_length": metrics["val/response_length/mean"],
+            "n": len(val), "num_samples_per_prompt": policy.sampling.num_samples_per_prompt,
+            "temperature": policy.sampling.temperature, "max_new_tokens": policy.sampling.max_new_tokens,
+            "reward_fn": reward_fn,
+            "data": data_path or ("held-out split" if policy.data.task == "arithmetic" else policy.data.val_path),
+            "val-core": {key.removeprefix("val-core/"): value for key, value in metrics.items()
+                         if key.startswith("val-core/")}}
 
 
 def generate(policy: LoadedPolicy, prompts: list[str], seed: int = 0) -> list[dict]:

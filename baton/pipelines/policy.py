@@ -6,7 +6,9 @@ import numpy as np
 
 from baton.data import DataProto
 from baton.datasets import PromptDataset, collate_prompts
+from baton.datasets.prompts import DATA_SOURCE
 from baton.pipelines.config import RoleConfig, SamplingConfig
+from baton.pipelines.val_metrics import pass_at_k, sample_sizes, validation_metrics
 from baton.rewards import REWARD_EXTRA_PREFIX
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
@@ -40,17 +42,37 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
 
 
 def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: SamplingConfig, max_prompt_len: int) -> dict:
-    """Accuracy (share of responses with reward >= 1), mean reward (and of each further field of a dict reward) on the
-    held-out prompts."""
+    """The held-out prompts, `sampling.num_samples_per_prompt` (n) samples each, scored.
+
+    `val/accuracy` (share of responses with reward >= 1), `val/pass@{k}` (the unbiased pass@k of reward >= 1,
+    averaged over prompts, for verl's k = 2, 4, … n), `val/reward/mean`, `val/response_length/mean`,
+    `val/reward/<key>/mean` for each further field of a dict reward, `val/reward/num_errors`; and verl's
+    `val-core/{data_source}/{variable}/{metric}` and `val-aux/...` (see `validation_metrics`) of the score
+    ("reward") and of each numeric field of a dict reward ("acc", ...). maj@k votes over a dict reward's "pred"
+    field, or, where it has none, over each decoded response stripped of surrounding whitespace (verl logs no
+    maj@k without "pred").
+    """
     if data is None or not len(data):
         return {}
     prompts = collate_prompts(data, range(len(data)), tokenizer, max_prompt_len)
     out: DataProto = rollout.generate(prompts, sampling.params(seed=0))
     rewards = reward.compute_rewards(out)
     scores = rewards.batch["scores"].numpy()
-    return {"val/accuracy": float(np.mean(scores >= 1.0)), "val/reward/mean": float(scores.mean()),
+    uids = out.non_tensor_batch["uid"]
+    fields = {name.removeprefix(REWARD_EXTRA_PREFIX): values.numpy() for name, values in rewards.batch.items()
+              if name.startswith(REWARD_EXTRA_PREFIX)}
+    if "reward" in fields:
+        raise ValueError("a dict reward's field 'reward' would clash with validation's name for the score "
+                         "(verl's val-core/<data_source>/reward/...); rename the field")
+    pred = rewards.non_tensor_batch.get(REWARD_EXTRA_PREFIX + "pred")
+    votes = pred if pred is not None else [str(text).strip() for text in rewards.non_tensor_batch["response_text"]]
+    correct = scores >= 1.0
+    return {"val/accuracy": float(np.mean(correct)),
+            **{f"val/pass@{k}": pass_at_k(correct, uids, k) for k in sample_sizes(sampling.num_samples_per_prompt)},
+            "val/reward/mean": float(scores.mean()),
             "val/response_length/mean": float(out.batch["response_mask"].sum(-1).float().mean()),
-            **reward_error_count(rewards, "val/"), **reward_extra_metrics(rewards, "val/")}
+            **reward_error_count(rewards, "val/"), **reward_extra_metrics(rewards, "val/"),
+            **validation_metrics({"reward": scores, **fields}, uids, out.non_tensor_batch.get(DATA_SOURCE), votes)}
 
 
 def reward_error_count(rewards: DataProto, prefix: str = "") -> dict[str, float]:

@@ -1,16 +1,19 @@
-"""A PNG of a run: reward, validation accuracy, KL (or, with KL off, entropy) and response length against step."""
+"""A PNG of a run: reward, validation accuracy (and pass@n), KL (or, with KL off, entropy) and response length
+against step."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 from baton.tracking.tracker import read_metrics
 
 # Each panel is a list of (title, metric keys) choices: the first one the run logged is drawn; a panel
-# with none of them is left out (a run without KL shows entropy; an SFT-only run has neither).
+# with none of them is left out (a run without KL shows entropy; an SFT-only run has neither). A key may be a
+# glob pattern; the panel draws the logged key it matches with the largest number in it (pass@n, not pass@2).
 PANELS = [
     [("reward (RL) / loss (SFT)", ["critic/score/mean", "sft/loss"])],
-    [("validation accuracy", ["val/accuracy"])],
+    [("validation accuracy", ["val/accuracy", "val/pass@*"])],
     [("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]), ("policy entropy (KL off)", ["actor/entropy"])],
     [("response length", ["response_length/mean"]), ("validation response length", ["val/response_length/mean"])],
 ]
@@ -19,8 +22,22 @@ PANELS = [
 def choose_panels(sources: dict[str, list[dict]]) -> list[tuple[str, list[str]]]:
     """The (title, keys) to draw for these runs' records (label → records); at least the first panel."""
     logged = {key for records in sources.values() for record in records for key, v in record.items() if v is not None}
-    chosen = [next((c for c in choices if logged.intersection(c[1])), None) for choices in PANELS]
-    return [c for c in chosen if c is not None] or [PANELS[0][0]]
+    chosen = []
+    for choices in PANELS:
+        for title, patterns in choices:
+            keys = [key for key in (_largest_match(logged, p) for p in patterns) if key is not None]
+            if keys:
+                chosen.append((title, keys))
+                break
+    return chosen or [PANELS[0][0]]
+
+
+def _largest_match(logged: set[str], pattern: str) -> str | None:
+    """`pattern` if it was logged; for a glob ("val/pass@*"), the logged match with the largest number after "@"."""
+    if pattern in logged:
+        return pattern
+    matches = [key for key in fnmatch.filter(logged, pattern) if key.rsplit("@", 1)[-1].isdigit()]
+    return max(matches, key=lambda key: int(key.rsplit("@", 1)[1]), default=None)
 
 
 def plot_run(run_dir: str, out_path: str | None = None) -> str:
