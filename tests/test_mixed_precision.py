@@ -202,3 +202,19 @@ def test_compute_dtype_validation(settings, message):
 def test_float32_compute_dtype_is_plain_float32():
     assert StrategyConfig(compute_dtype="float32").mixed_precision_dtype is None
     assert StrategyConfig(compute_dtype="bfloat16").mixed_precision_dtype == torch.bfloat16
+
+
+def test_an_rlvr_run_syncs_a_mixed_precision_hf_actor_into_a_bf16_rollout(tmp_path):
+    """The sync probe compares float32-master bf16 compute with bf16 weights: ~2e-3 apart on tiny-qwen2, so its
+    tolerance follows the roles' precision (0.1 there, 1e-4 for float32 on both sides) instead of failing the run."""
+    from baton.pipelines.base import run_pipeline
+    from baton.pipelines.config import RoleConfig
+    from baton.pipelines.policy import probe_tolerance
+    from baton.pipelines.rlvr import RLVRPipeline
+    from test_pipeline_paths import metrics_of, tiny_rlvr
+
+    actor = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-3), **MIXED))
+    rollout = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", dtype="bfloat16"))
+    assert probe_tolerance(actor, rollout) == 0.1 and probe_tolerance(RoleConfig(), RoleConfig()) == 1e-4
+    run_pipeline(RLVRPipeline, tiny_rlvr(tmp_path, num_steps=2, actor=actor, rollout=rollout))
+    assert [r["step"] for r in metrics_of(tmp_path)][:2] == [1, 2]
