@@ -49,7 +49,7 @@ def parts_without_score(response: str, ground_truth: str, **fields) -> dict:
 
 
 def parts_with_text(response: str, ground_truth: str, **fields) -> dict:
-    return {"score": 1.0, "pred": response}
+    return {"score": 1.0, "note": response}  # of text fields only verl's "pred" is taken
 
 
 class Captured(RLVRPipeline):
@@ -158,7 +158,7 @@ def test_a_field_missing_on_a_row_names_the_function_the_row_and_the_field():
 
 
 @pytest.mark.parametrize("fn, says", [("parts_without_score", "returned a dict without a 'score' key"),
-                                      ("parts_with_text", "returned field 'pred' '1' (a str)")])
+                                      ("parts_with_text", "returned field 'note' '1' (a str)")])
 def test_a_dict_reward_needs_a_score_and_numbers(fn, says):
     with pytest.raises(RewardError, match=rf"'{__name__}:{fn}' {re.escape(says)}"):
         RewardWorker(f"{__name__}:{fn}").compute_rewards(response_batch(["1"], ["1"]))

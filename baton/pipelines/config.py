@@ -69,8 +69,45 @@ class RoleConfig(WorkerSettings):
         return dataclasses.replace(self, strategy=dataclasses.replace(self.strategy, scheduler=scheduler))
 
 
-def _reward_workers() -> WorkerSettings:
-    return WorkerSettings(world_size=1, num_devices_per_worker=0)
+@dataclass
+class RewardSettings(WorkerSettings):
+    """The reward role's CPU-only workers (see `WorkerSettings`) and how each scores its rows.
+
+    num_processes_per_worker: 0 scores the rows one after another in the worker's own process; N > 0 scores them
+    concurrently in N spawned processes per worker. timeout_s_per_row (needs processes; None: no limit but the
+    worker's call_timeout_s): a row that runs longer is cut off, its process killed, and treated like a row the
+    function raised on (reward_on_error), counted in reward/num_errors and reward/num_timeouts."""
+
+    num_processes_per_worker: int = 0
+    timeout_s_per_row: float | None = None
+
+    def __post_init__(self):
+        if self.num_processes_per_worker < 0:
+            raise ValueError(f"num_processes_per_worker must be >= 0, got {self.num_processes_per_worker}")
+        if self.timeout_s_per_row is not None and self.timeout_s_per_row <= 0:
+            raise ValueError(f"timeout_s_per_row must be > 0 (or null: no limit), got {self.timeout_s_per_row}")
+        if self.timeout_s_per_row is not None and self.num_processes_per_worker == 0:
+            raise ValueError(f"timeout_s_per_row={self.timeout_s_per_row} needs num_processes_per_worker >= 1: a row "
+                             "scored in the worker's own process cannot be cut off; set reward.num_processes_per_worker "
+                             "(e.g. 4), or unset timeout_s_per_row")
+
+
+def _reward_workers() -> RewardSettings:
+    return RewardSettings(world_size=1, num_devices_per_worker=0)
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong penalty (verl's `reward_model.overlong_buffer`): a training response longer than
+    sampling.max_new_tokens - len tokens gets min(-(length - (max_new_tokens - len)) / len * penalty_factor, 0)
+    added to its reward. len 0: off."""
+
+    len: int = 0
+    penalty_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.len < 0:
+            raise ValueError(f"len must be >= 0 (0: no overlong penalty), got {self.len}")
 
 
 @dataclass
@@ -214,9 +251,11 @@ class RLVRConfig:
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
     colocate_actor_rollout: bool = False  # one process per device holds both; sync shares tensors
-    reward_fn: str = "exact_match"
+    # A registry name or import path, or a mapping {data_source: reward} with "default" for the other sources.
+    reward_fn: str | dict[str, str] = "exact_match"
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
-    reward: WorkerSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
+    reward: RewardSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
@@ -283,6 +322,11 @@ class RLVRConfig:
             raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run "
                               "actor.num_threads_per_worker threads: set it there and leave rollout's unset")
         _check_reward_fn(self.reward_fn, self.reward_on_error)
+        buffer, max_new_tokens = self.overlong_buffer.len, self.sampling.max_new_tokens
+        if buffer and buffer >= max_new_tokens:
+            raise ConfigError(f"overlong_buffer.len={buffer} must be below sampling.max_new_tokens={max_new_tokens}: "
+                              "the penalty starts max_new_tokens - len tokens in; use a smaller len (DAPO: a fifth of "
+                              "the limit), or 0 for no penalty")
 
 
 @dataclass
@@ -293,9 +337,9 @@ class SFTConfig:
     actor: RoleConfig = field(default_factory=lambda: RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=3e-3))))
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
-    reward_fn: str = "exact_match"  # scores validation
+    reward_fn: str | dict[str, str] = "exact_match"  # scores validation; as RLVRConfig's
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
-    reward: WorkerSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
+    reward: RewardSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))
 
     def with_run_schedules(self) -> "SFTConfig":
@@ -352,11 +396,12 @@ def _check_reward_components(algo: AlgorithmConfig) -> None:
                           f"gdpo_reward_keys {keys}; give one weight per key")
 
 
-def _check_reward_fn(name: str, on_error: str) -> None:
-    from baton.rewards import REWARD_ON_ERROR, get_reward_fn
+def _check_reward_fn(spec: str | dict[str, str], on_error: str) -> None:
+    """Every reward `spec` names resolves (a registry name, or an import path that imports), before any worker starts."""
+    from baton.rewards import REWARD_ON_ERROR, RewardRoutes
 
     try:
-        get_reward_fn(name)
+        RewardRoutes(spec)
     except ValueError as e:
         raise ConfigError(f"reward_fn: {e}") from e
     _check_choice("reward_on_error", on_error, REWARD_ON_ERROR)

@@ -37,8 +37,10 @@ class RLVRPipeline(Pipeline):
         algo = config.algorithm
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         roles = {**policy_roles(config.actor, config.rollout),
-                 "reward": (RewardWorker, config.reward, (config.reward_fn, config.actor.strategy.tokenizer,
-                                                          config.reward_on_error))}
+                 "reward": (RewardWorker, config.reward, (
+                     config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,
+                     config.reward.num_processes_per_worker, config.reward.timeout_s_per_row,
+                     config.sampling.max_new_tokens, config.overlong_buffer.len, config.overlong_buffer.penalty_factor))}
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
@@ -132,10 +134,10 @@ class RLVRPipeline(Pipeline):
                 if self.baseline_sampling is not None:
                     with self.timer("gen_max"):
                         baseline = self.rollout.generate(prompts, self.baseline_sampling)
-                        baseline_rewards = self.reward.compute_rewards(baseline)
+                        baseline_rewards = self.reward.compute_rewards(baseline, apply_overlong_penalty=True)
                         batch.batch["reward_baselines"] = baseline_per_row(baseline, baseline_rewards, batch)
                 with self.timer("reward"):
-                    rewards = self.reward.compute_rewards(batch)
+                    rewards = self.reward.compute_rewards(batch, apply_overlong_penalty=True)  # overlong_buffer
                     batch = batch.union(rewards.select(None, [], []))  # scores, token_level_scores, reward_extra/*
                 if self.needs_old_log_probs:
                     with self.timer("old_log_prob"):
@@ -157,6 +159,8 @@ class RLVRPipeline(Pipeline):
                     with self.timer("sync"):
                         self.update_pairs[0].sync()
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
+                       "reward/num_timeouts": float(np.sum(rewards.meta_info.get("metrics", {})
+                                                           .get("reward/num_timeouts", 0))),
                        **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
             if self.signal_watch is not None:

@@ -25,8 +25,9 @@ class SFTPipeline(Pipeline):
                              device_mapping=(config.actor.device_mapping or [0])[:1])
         colocate = config.actor.strategy.name == "hf"
         clusters = self.create_clusters({**policy_roles(config.actor, rollout),
-                                         "reward": (RewardWorker, config.reward, (config.reward_fn, config.actor.strategy.tokenizer,
-                                                                                  config.reward_on_error))},
+                                         "reward": (RewardWorker, config.reward, (
+                                             config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,
+                                             config.reward.num_processes_per_worker, config.reward.timeout_s_per_row))},
                                         fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]

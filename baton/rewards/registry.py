@@ -1,4 +1,6 @@
-"""The reward registry: name → `fn(response: str, ground_truth: str, **fields) -> float`."""
+"""The reward registry: name → reward function, `fn(response: str, ground_truth: str, **fields) -> float | dict`,
+or verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`: a function with
+parameters named `data_source` and `solution_str` is called as verl calls it (`baton.rewards.routing.Reward`)."""
 
 from __future__ import annotations
 

@@ -1,116 +1,153 @@
-"""Calling a reward function on a batch's rows: the arguments it must accept, a row it raises on, what it returns."""
+"""Calling the reward functions on a batch's rows: which function scores a row, a row one raises on or runs past its
+time limit on, what they return."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import reprlib
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from baton.rewards.registry import RewardFn
+from baton.rewards.pool import Outcome, ScoringPool, Task
+from baton.rewards.routing import DATA_SOURCE, RewardRoutes
 
 REWARD_ON_ERROR = ("raise", "zero")  # what score_rows does when the function raises on a row
 REWARD_EXTRA_PREFIX = "reward_extra/"  # a dict reward's further fields, as the reward worker's columns "<prefix><key>"
+PRED = "pred"  # verl's field for the extracted answer: a string, the one further field that need not be a number
 _SHORT = reprlib.Repr()  # row values in messages, long ones cut in the middle
 _SHORT.maxstring = _SHORT.maxother = 160
 
 
 class RewardError(RuntimeError):
-    """A reward function raised on a row, or returned something that is not a finite number (a bool counts as 0/1)
-    nor a dict of them with a "score" key, or a dict lacking a field that other rows returned.
+    """A reward function raised on a row or ran past its time limit there, or returned something that is not a finite
+    number (a bool counts as 0/1) nor a dict of them with a "score" key (and maybe a string "pred"), or a dict
+    lacking a field that other rows returned; or a row's data_source has no reward.
     Names the function, the row (its prompt, response and ground truth) and the value or the error (its __cause__)."""
 
 
-def check_reward_columns(fn: RewardFn, name: str, columns: Iterable[str]) -> None:
-    """Raise ValueError unless `fn(response, ground_truth, **{column: ...})` binds every column in `columns`: none
-    may be named like the parameter taking the response or the ground truth, and a function without `**fields`
-    must name each column as a parameter."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
-        return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
-    columns = set(columns)
-    for param, role in zip(positional, ("response", "ground truth")):
-        if param.kind == param.POSITIONAL_OR_KEYWORD and param.name in columns:
-            raise ValueError(f"the batch's column {param.name!r} has the name of reward function {name!r}'s parameter "
-                             f"that takes the {role}; rename that data field")
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return
-    named = {p.name for p in params[len(positional):] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    unknown = sorted(columns - named)
-    if unknown:
-        raise ValueError(f"reward function {name!r} takes no parameter {', '.join(map(repr, unknown))}, but every "
-                         "non-tensor column of the batch (the data's extra fields, 'prompt', 'uid', 'finish_reason') "
-                         "is passed to it by name; add **fields to its signature")
+@dataclass
+class Scores:
+    """`score_rows`' result, one entry per row in each list.
+
+    extras: each further numeric field of a dict reward; 0.0 on rows scored 0 for an error, and on rows whose
+    function (under a data_source mapping) does not return that field. preds: the "pred" field (the extracted
+    answer) where a row's function returns one, else None; None when no row has one."""
+
+    scores: list[float]
+    extras: dict[str, list[float]]
+    preds: list[str | None] | None
+    num_errors: int  # rows scored 0 by on_error "zero", timeouts included
+    num_timeouts: int
 
 
-def score_rows(fn: RewardFn, name: str, responses: Sequence[str], ground_truths: Sequence[Any],
-               columns: dict[str, Sequence[Any]], on_error: str = "raise"
-               ) -> tuple[list[float], dict[str, list[float]], int]:
-    """(scores, extras, num_errors): the score of each row `fn(responses[row], ground_truths[row],
-    **{k: v[row] for k, v in columns.items()})`, the further fields of a dict reward, and how many rows raised.
+def score_rows(rewards: RewardRoutes | str | Mapping[str, str], responses: Sequence[str],
+               ground_truths: Sequence[Any], columns: dict[str, Sequence[Any]], on_error: str = "raise",
+               pool: ScoringPool | None = None) -> Scores:
+    """Score each row with its reward (`RewardRoutes`: the one reward, or its data_source's), called in baton's
+    convention, `fn(responses[row], ground_truths[row], **{k: v[row] for k, v in columns.items()})`, or, for a
+    function with parameters named `data_source` and `solution_str`, in verl's (`fn(data_source=, solution_str=,
+    ground_truth=, extra_info=)`, see `routing.Reward`). In this process, one row after another, or with `pool` in its processes,
+    concurrently, each row cut off after the pool's timeout_s_per_row.
 
-    `fn` returns a number (the score), or, as verl's compute_score may, a dict with the score under "score" and
-    further numeric fields (reward components, diagnostics); `extras` maps each further field to its value per row.
-    Every row must return the same fields. A row `fn` raises on: with on_error "raise", a RewardError naming the
-    function, the row and the error; with "zero", a score (and extras) of 0.0, counted in num_errors. A value that
-    is not a finite number, or a dict without "score" or without a field other rows returned, is a bug in `fn`:
-    a RewardError either way.
+    A function returns a number (the score), or, as verl's compute_score may, a dict with the score under "score",
+    further numeric fields (reward components, diagnostics) and maybe "pred", the extracted answer as a string.
+    Each function must return the same fields on every row. A row a function raises on or runs out of time on: with
+    on_error "raise", a RewardError naming the function, the row and the error; with "zero", a score (and extras) of
+    0.0, counted in num_errors (and num_timeouts). A value that is not a finite number, or a dict without "score" or
+    without a field the function returned on other rows, is a bug in the function: a RewardError either way.
     """
     if on_error not in REWARD_ON_ERROR:
         raise ValueError(f"on_error {on_error!r} is not one of {REWARD_ON_ERROR}")
-    check_reward_columns(fn, name, columns)
-    scores: list[float] = []
-    extras: dict[str, list[float]] | None = None  # known from the first row that does not raise
-    failed: list[int] = []  # rows scored 0 by on_error "zero"
-    first_row = None  # the row whose fields the others must match
+    routes = rewards if isinstance(rewards, RewardRoutes) else RewardRoutes(rewards)
+    routes.check_columns(columns)
+    tasks: list[Task] = []
     for row, (response, truth) in enumerate(zip(responses, ground_truths)):
         fields = {k: v[row] for k, v in columns.items()}
         try:
-            value = fn(response, truth, **fields)
-        except Exception as e:  # the user's function: any error, reported with its row or counted
+            key = routes.route(fields)
+        except ValueError as e:
+            raise RewardError(f"reward_fn {routes.describe()}: {e}\n{_describe_row(row, response, truth, fields)}") from None
+        tasks.append((key, response, truth, fields))
+    outcomes = pool.score(tasks) if pool is not None else _score_here(routes, tasks)
+    scores: list[float] = []
+    row_fields: list[dict[str, Any] | None] = []  # each row's further fields; None for a row scored 0 on error
+    first_rows: dict[str, int] = {}  # route -> the row whose fields that function's other rows must match
+    num_errors = num_timeouts = 0
+    for row, ((key, response, truth, fields), outcome) in enumerate(zip(tasks, outcomes)):
+        name = routes.rewards[key].name
+        if outcome.timed_out or outcome.error is not None:
             if on_error == "raise":
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}\n"
-                                  f"{_describe_row(row, response, truth, fields)}\n"
-                                  "Fix the function, or score the rows it raises on 0 (counted as "
-                                  "reward/num_errors) with reward_on_error: zero") from e
-            failed.append(row)
+                raise _row_error(name, row, response, truth, fields, outcome, pool)
+            num_errors += 1
+            num_timeouts += outcome.timed_out
             scores.append(0.0)
+            row_fields.append(None)
             continue
         try:
-            score, row_extras = _split(value)
-            if extras is None:
-                extras, first_row = {k: [] for k in row_extras}, row
-            _check_same_fields(row_extras, row, extras, first_row)
+            score, extra = _split(outcome.value)
+            first = first_rows.setdefault(key, row)
+            _check_same_fields(extra, row, row_fields[first] if first != row else extra, first)
         except ValueError as e:
             raise RewardError(f"reward function {name!r} {e}\n{_describe_row(row, response, truth, fields)}") from None
         scores.append(score)
-        for k, v in row_extras.items():
-            extras[k].append(v)
-    extras = extras or {}
-    for row in failed:  # the fields of rows scored 0 are 0 as well
-        for values in extras.values():
-            values.insert(row, 0.0)
-    return scores, extras, len(failed)
+        row_fields.append(extra)
+    names = list(dict.fromkeys(k for extra in row_fields if extra for k in extra))
+    extras = {k: [float(extra.get(k, 0.0)) if extra else 0.0 for extra in row_fields] for k in names if k != PRED}
+    preds = [extra.get(PRED) if extra else None for extra in row_fields] if PRED in names else None
+    return Scores(scores, extras, preds, num_errors, num_timeouts)
 
 
-def _split(value: Any) -> tuple[float, dict[str, float]]:
-    """(score, extra fields) of one returned value, each checked to be a finite number; ValueError says why not."""
+def _score_here(routes: RewardRoutes, tasks: Iterable[Task]) -> Iterator[Outcome]:
+    for key, response, truth, fields in tasks:
+        try:
+            yield Outcome(value=routes.rewards[key](response, truth, fields))
+        except Exception as e:  # the user's function: any error, reported with its row or counted
+            yield Outcome(error=e)
+
+
+def _row_error(name: str, row: int, response: str, truth: Any, fields: dict, outcome: Outcome,
+               pool: ScoringPool | None) -> RewardError:
+    where = _describe_row(row, response, truth, fields)
+    if outcome.timed_out:
+        return RewardError(
+            f"reward function {name!r} timed out after {pool.timeout_s_per_row} s (reward.timeout_s_per_row) and its "
+            f"scoring process was killed\n{where}\nMake the function faster, raise reward.timeout_s_per_row, or score "
+            "such rows 0 (counted as reward/num_errors and reward/num_timeouts) with reward_on_error: zero")
+    e = outcome.error
+    error = RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}\n{where}\n"
+                        "Fix the function, or score the rows it raises on 0 (counted as reward/num_errors) with "
+                        "reward_on_error: zero")
+    error.__cause__ = e
+    return error
+
+
+def _split(value: Any) -> tuple[float, dict[str, Any]]:
+    """(score, further fields) of one returned value, each checked to be a finite number ("pred" a string or None);
+    ValueError says why not."""
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"returned a dict without a 'score' key (its keys: {sorted(value)}); a dict reward holds "
                              "the reward under 'score'")
         return (_finite(value["score"], "returned 'score'"),
-                {str(k): _finite(v, f"returned field {k!r}") for k, v in value.items() if k != "score"})
+                {str(k): _pred(v) if k == PRED else _finite(v, f"returned field {k!r}")
+                 for k, v in value.items() if k != "score"})
     return _finite(value, "returned"), {}
+
+
+def _pred(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real):
+        return str(value)
+    raise ValueError(f"returned field 'pred' {_SHORT.repr(value)} (a {type(value).__name__}); 'pred' is the extracted "
+                     "answer that validation's maj@k votes on: a string")
 
 
 def _finite(value: Any, what: str) -> float:
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{what} {_SHORT.repr(value)} (a {type(value).__name__}); a reward must be a finite number "
-                         "(a float), or a dict of them with the reward under 'score'")
+                         "(a float), or a dict of them with the reward under 'score' (and a string 'pred')")
     return float(value)
 
 
@@ -128,5 +165,7 @@ def _describe_row(row: int, response: str, truth: Any, fields: dict[str, Any]) -
     lines = [f"  on row {row} of the batch:"]
     if "prompt" in fields:
         lines.append(f"    prompt:       {_SHORT.repr(fields['prompt'])}")
+    if DATA_SOURCE in fields:
+        lines.append(f"    data_source:  {_SHORT.repr(fields[DATA_SOURCE])}")
     lines += [f"    response:     {_SHORT.repr(response)}", f"    ground truth: {_SHORT.repr(truth)}"]
     return "\n".join(lines)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import torch
 
 from baton.data import DataProto
-from baton.distributed import Dispatch, Worker, register
+from baton.distributed import Worker, register, register_dispatch_mode
+from baton.distributed.dispatch import Dispatch, split_dp_args
 from baton.models import load_tokenizer
-from baton.rewards import REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, get_reward_fn, score_rows
+from baton.rewards import (PRED, REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, RewardRoutes, ScoringPool,
+                           overlong_penalty, score_rows)
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
 from baton.workers.model import ModelWorker
 
@@ -82,42 +86,101 @@ class CriticWorker(ModelWorker):
         return self.strategy.train_step(batch, loss_fn, loss_unit)
 
 
-class RewardWorker(Worker):
-    """Scores decoded responses with a reward function (registry name or import path). Pure CPU.
+def _concat_reward_shares(layout, shares: list[DataProto]) -> DataProto:
+    """The reward workers' shares in dp order. A share lacks a `reward_extra/*` column when none of its rows returned
+    that field (each one raised and was scored 0, or, under a data_source mapping, its rows' functions do not return
+    it): there the column is 0 (None for `reward_extra/pred`), as on such rows within a share."""
+    tensor_names = list(dict.fromkeys(k for share in shares for k in share.batch if k.startswith(REWARD_EXTRA_PREFIX)))
+    pred = REWARD_EXTRA_PREFIX + PRED
+    has_pred = any(pred in share.non_tensor_batch for share in shares)
+    for share in shares:
+        for name in tensor_names:
+            share.batch.setdefault(name, torch.zeros(len(share), dtype=torch.float32))
+        if has_pred:
+            share.non_tensor_batch.setdefault(pred, np.full(len(share), None, dtype=object))
+    return DataProto.concat(shares)
 
-    Reads `responses`, `response_mask` and the non-tensor `ground_truth` column; every other
-    non-tensor column is passed to the function as a keyword argument.
+
+_REWARD_DP_COMPUTE = register_dispatch_mode(
+    "reward_dp_compute", lambda layout, args, kwargs: split_dp_args(layout, args, kwargs, first_mp_rank_only=False),
+    _concat_reward_shares, lambda layout: layout.collect_ranks())
+
+
+class RewardWorker(Worker):
+    """Scores decoded responses with a reward function (registry name or import path), or with one per data_source
+    (a mapping {data_source: reward}, "default" for the other sources; see `baton.rewards.RewardRoutes`). Pure CPU.
+
+    Reads `responses`, `response_mask` and the non-tensor `ground_truth` column; every other non-tensor column is
+    passed to the function as a keyword argument (a function with verl's `compute_score(data_source, solution_str,
+    ground_truth, extra_info)` signature gets those four instead, as verl passes them).
 
     on_error: a row the function raises on stops the run with a RewardError naming the function and the row
     ("raise"), or scores 0 ("zero"); `compute_rewards` counts those rows in meta_info["metrics"]["reward/num_errors"].
     A function that returns a non-number (None, a string, nan) raises RewardError either way.
+
+    num_processes: 0 scores the rows one after another in this process; more scores them concurrently in that many
+    spawned processes, where a row running past `timeout_s_per_row` (None: no limit) is cut off (its process killed)
+    and treated like a row the function raised on (counted in "reward/num_timeouts" too).
+
+    overlong_buffer_len > 0: DAPO's soft overlong penalty (`baton.rewards.overlong_penalty`, with `max_response_len`
+    the sampling limit) is added to the score of the batches `compute_rewards` is asked to penalise.
     """
 
-    def __init__(self, reward_fn: str, tokenizer: str | None = None, on_error: str = "raise"):
+    def __init__(self, reward_fn: str | Mapping[str, str], tokenizer: str | None = None, on_error: str = "raise",
+                 num_processes: int = 0, timeout_s_per_row: float | None = None, max_response_len: int | None = None,
+                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0):
         if on_error not in REWARD_ON_ERROR:
             raise ValueError(f"on_error {on_error!r} is not one of {REWARD_ON_ERROR}")
-        self.reward_name, self.on_error = reward_fn, on_error
-        self.reward_fn = get_reward_fn(reward_fn)
+        if timeout_s_per_row is not None and num_processes < 1:
+            raise ValueError(f"timeout_s_per_row={timeout_s_per_row} needs num_processes >= 1: a row scored in the "
+                             "worker's own process cannot be cut off")
+        if overlong_buffer_len and not (max_response_len and 0 < overlong_buffer_len < max_response_len):
+            raise ValueError(f"overlong_buffer_len={overlong_buffer_len} needs a max_response_len above it, got "
+                             f"{max_response_len}")
+        self.on_error = on_error
+        self.routes = RewardRoutes(reward_fn)
+        self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes else None
+        self.max_response_len = max_response_len
+        self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
         self.tokenizer = load_tokenizer(tokenizer)
 
-    @register(Dispatch.DP_COMPUTE)
-    def compute_rewards(self, batch: DataProto) -> DataProto:
+    @register(_REWARD_DP_COMPUTE)
+    def compute_rewards(self, batch: DataProto, apply_overlong_penalty: bool = False) -> DataProto:
         """`scores` [rows] and `token_level_scores` [rows, response_len] (the score on the last response token),
-        `reward_extra/<key>` [rows] float32 for each further field of a function that returns a dict (verl's
-        compute_score dict: the reward under "score"), non-tensor `response_text`, and
-        meta_info["metrics"]["reward/num_errors"] (rows scored 0 by on_error "zero")."""
+        `reward_extra/<key>` [rows] float32 for each further numeric field of a function that returns a dict (verl's
+        compute_score dict: the reward under "score"), non-tensor `response_text` and, where a function returns
+        verl's "pred" (the extracted answer), non-tensor `reward_extra/pred` (None on rows without one), and
+        meta_info["metrics"]["reward/num_errors"] (rows scored 0 by on_error "zero") and ["reward/num_timeouts"].
+
+        apply_overlong_penalty (training batches; validation scores the function's own): with an overlong buffer,
+        the penalty is added to the score, and `reward_extra/overlong_reward` (the penalty) and
+        `reward_extra/overlong` (1.0 where it is below 0) are verl's DAPO extra fields."""
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         if "ground_truth" not in batch.non_tensor_batch:
             raise ValueError(f"compute_rewards needs a non-tensor 'ground_truth' column; got {sorted(batch.non_tensor_batch)}")
         fields = {k: v for k, v in batch.non_tensor_batch.items() if k != "ground_truth"}
-        values, extras, num_errors = score_rows(self.reward_fn, self.reward_name, texts,
-                                                batch.non_tensor_batch["ground_truth"], fields, self.on_error)
-        scores = torch.tensor(values, dtype=torch.float32)
+        truths = batch.non_tensor_batch["ground_truth"]
+        result = score_rows(self.routes, texts, truths, fields, self.on_error, self.pool)
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        lengths = mask.sum(-1)
+        columns = {REWARD_EXTRA_PREFIX + k: torch.tensor(v, dtype=torch.float32) for k, v in result.extras.items()}
+        if apply_overlong_penalty and self.overlong_buffer_len:
+            penalty = overlong_penalty(lengths, self.max_response_len, self.overlong_buffer_len,
+                                       self.overlong_penalty_factor)
+            taken = sorted({"overlong_reward", "overlong"} & result.extras.keys())
+            if taken:
+                raise RewardError(f"reward_fn {self.routes.describe()} returns the field(s) {taken}, which the overlong "
+                                  "penalty (overlong_buffer) writes; rename them")
+            scores = scores + penalty
+            columns[REWARD_EXTRA_PREFIX + "overlong_reward"] = penalty
+            columns[REWARD_EXTRA_PREFIX + "overlong"] = (penalty < 0).to(torch.float32)
         token_level = torch.zeros(mask.shape, dtype=torch.float32)
-        last = (mask.sum(-1) - 1).clamp(min=0)
-        token_level[torch.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
-        columns = {REWARD_EXTRA_PREFIX + k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
-        return DataProto.from_dict({"scores": scores, "token_level_scores": token_level, **columns},
-                                   {"response_text": np.array(texts, dtype=object)},
-                                   meta_info={"metrics": {"reward/num_errors": num_errors}})
+        last = (lengths - 1).clamp(min=0)
+        token_level[torch.arange(len(batch)), last] = scores * (lengths > 0)
+        non_tensors = {"response_text": np.array(texts, dtype=object)}
+        if result.preds is not None:
+            non_tensors[REWARD_EXTRA_PREFIX + PRED] = np.array(result.preds, dtype=object)
+        return DataProto.from_dict({"scores": scores, "token_level_scores": token_level, **columns}, non_tensors,
+                                   meta_info={"metrics": {"reward/num_errors": result.num_errors,
+                                                          "reward/num_timeouts": result.num_timeouts}})

@@ -1,0 +1,150 @@
+"""The reward for each row: `reward_fn` is one reward (a registry name or an import path) or a mapping from a row's
+`data_source` to one, and each function is called in baton's convention or in verl's."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from baton.rewards.registry import RewardFn, get_reward_fn
+
+DEFAULT_ROUTE = "default"  # the mapping's entry for rows whose data_source has no entry of its own
+DATA_SOURCE = "data_source"  # the column that routes a row (verl's reward_fn_key)
+UNKNOWN_DATA_SOURCE = "unknown"  # what a verl-style function gets as data_source for a row without the column
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score keywords
+
+
+def uses_verl_signature(fn: RewardFn) -> bool:
+    """Whether `fn` is written for verl: it has parameters named `data_source` and `solution_str`, as verl's
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)` does. (A function with
+    `solution_str` first and no `data_source`, `(solution_str, ground_truth, **kwargs)`, works in baton's convention
+    as it is: the response comes first, data_source and extra_info among the fields.)"""
+    try:
+        return {"data_source", "solution_str"} <= inspect.signature(fn).parameters.keys()
+    except (TypeError, ValueError):  # no signature to read (some builtins): baton's convention
+        return False
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward function and how it is called on a row.
+
+    baton's convention: `fn(response, ground_truth, **fields)`, every non-tensor column of the row by keyword.
+    verl's (`uses_verl_signature`: parameters named data_source and solution_str): `fn(data_source=...,
+    solution_str=response, ground_truth=..., extra_info=...)`, those four keywords only, as verl's reward managers call `compute_score`: data_source is the row's
+    `data_source` ("unknown" without that column, verl validation's name), extra_info a copy of its `extra_info` ({}
+    without it, as verl's managers default it)."""
+
+    name: str
+    fn: RewardFn
+    verl_style: bool
+
+    @classmethod
+    def load(cls, name: str) -> "Reward":
+        fn = get_reward_fn(name)
+        return cls(name, fn, uses_verl_signature(fn))
+
+    def __call__(self, response: str, ground_truth: Any, fields: Mapping[str, Any]) -> Any:
+        if self.verl_style:
+            extra_info = fields.get("extra_info")
+            extra_info = {} if extra_info is None else dict(extra_info) if isinstance(extra_info, Mapping) else extra_info
+            return self.fn(data_source=fields.get(DATA_SOURCE, UNKNOWN_DATA_SOURCE), solution_str=response,
+                           ground_truth=ground_truth, extra_info=extra_info)  # a copy: verl's functions may add keys
+        return self.fn(response, ground_truth, **fields)
+
+    def check_columns(self, columns) -> None:
+        """Raise ValueError unless this function binds the batch's non-tensor `columns` (see `check_reward_columns`);
+        a verl-style function takes verl's four keywords only and needs no more."""
+        if self.verl_style:
+            _check_verl_params(self.fn, self.name)
+        else:
+            check_reward_columns(self.fn, self.name, columns)
+
+
+class RewardRoutes:
+    """`reward_fn` resolved: one `Reward` for every row, or, from a mapping {data_source: reward}, the entry of the
+    row's `data_source`, else the "default" entry; a row matching neither is a ValueError naming its source and the
+    known ones. Import paths resolve as `get_reward_fn` resolves them (ValueError when one cannot)."""
+
+    def __init__(self, spec: str | Mapping[str, str]):
+        self.spec = spec
+        if isinstance(spec, str):
+            self.rewards = {DEFAULT_ROUTE: Reward.load(spec)}
+            return
+        if not spec:
+            raise ValueError("the mapping from data_source to reward is empty; give one entry per data source (and "
+                             f"{DEFAULT_ROUTE!r} for the others), or a single reward name")
+        rewards = {}
+        for source, name in spec.items():
+            try:
+                rewards[source] = Reward.load(name)
+            except ValueError as e:
+                raise ValueError(f"entry {source!r}: {e}") from e
+        self.rewards = rewards
+
+    @property
+    def routed(self) -> bool:
+        return not isinstance(self.spec, str)
+
+    def route(self, fields: Mapping[str, Any]) -> str:
+        """The key in `rewards` of the row whose non-tensor columns are `fields`."""
+        if not self.routed:
+            return DEFAULT_ROUTE
+        if DATA_SOURCE not in fields:
+            if DEFAULT_ROUTE in self.rewards:
+                return DEFAULT_ROUTE
+            raise ValueError(f"the row has no {DATA_SOURCE!r} column to pick its reward by, and reward_fn has no "
+                             f"{DEFAULT_ROUTE!r} entry; add one, or a {DATA_SOURCE!r} field to the data")
+        source = fields[DATA_SOURCE]
+        if source in self.rewards:
+            return source
+        if DEFAULT_ROUTE in self.rewards:
+            return DEFAULT_ROUTE
+        known = sorted(map(str, self.rewards))
+        raise ValueError(f"no reward for data_source {source!r}: reward_fn maps {known}; add an entry for it, or a "
+                         f"{DEFAULT_ROUTE!r} entry for every other source")
+
+    def check_columns(self, columns) -> None:
+        for reward in self.rewards.values():
+            reward.check_columns(columns)
+
+    def describe(self) -> str:
+        return repr(self.spec) if isinstance(self.spec, str) else repr(dict(self.spec))
+
+
+def check_reward_columns(fn: RewardFn, name: str, columns) -> None:
+    """Raise ValueError unless `fn(response, ground_truth, **{column: ...})` binds every column in `columns`: none
+    may be named like the parameter taking the response or the ground truth, and a function without `**fields`
+    must name each column as a parameter."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    columns = set(columns)
+    for param, role in zip(positional, ("response", "ground truth")):
+        if param.kind == param.POSITIONAL_OR_KEYWORD and param.name in columns:
+            raise ValueError(f"the batch's column {param.name!r} has the name of reward function {name!r}'s parameter "
+                             f"that takes the {role}; rename that data field")
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    named = {p.name for p in params[len(positional):] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(columns - named)
+    if unknown:
+        raise ValueError(f"reward function {name!r} takes no parameter {', '.join(map(repr, unknown))}, but every "
+                         "non-tensor column of the batch (the data's extra fields, 'prompt', 'uid', 'finish_reason') "
+                         "is passed to it by name; add **fields to its signature")
+
+
+def _check_verl_params(fn: RewardFn, name: str) -> None:
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    missing = [p for p in VERL_PARAMS if p not in params and not takes_any]
+    required = [p.name for p in params.values() if p.name not in VERL_PARAMS and p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing or required:
+        problem = (f"takes no parameter {', '.join(map(repr, missing))}" if missing
+                   else f"requires {', '.join(map(repr, required))}, which verl does not pass")
+        raise ValueError(f"reward function {name!r} has verl's parameters 'data_source' and 'solution_str', so it is "
+                         f"called as verl calls compute_score, with the keywords {list(VERL_PARAMS)}; but it {problem}")
