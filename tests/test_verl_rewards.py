@@ -3,6 +3,7 @@ math-verify reward, scoring in processes with a per-row time limit, DAPO's overl
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -317,6 +318,17 @@ def test_an_error_raised_in_a_process_and_a_process_that_dies_are_row_errors(poo
     result = score_rows("poolrewards:exits_on_boom", ["a", "boom", "b"], ["", "", ""], {}, "zero",
                         pool_of("poolrewards:exits_on_boom"))
     assert result.scores == [1.0, 0.0, 1.0] and (result.num_errors, result.num_timeouts) == (1, 0)
+
+
+def test_a_pool_works_from_a_script_without_a_main_guard_and_lets_it_exit(tmp_path):
+    # multiprocessing's spawn would run such a script again in each child; an open pool must not hold up the exit
+    script = tmp_path / "score.py"
+    script.write_text("from baton.rewards import ScoringPool, score_rows\n"
+                      "pool = ScoringPool('exact_match', 2)\n"
+                      "print(score_rows('exact_match', ['a', 'b', 'c'], ['a', 'x', 'c'], {}, pool=pool).scores)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[1.0, 0.0, 1.0]"
 
 
 # --- DAPO's overlong penalty ------------------------------------------------------------------------------------

@@ -1,22 +1,23 @@
-"""Scoring rows concurrently in spawned processes, each row cut off after a time limit: its process is killed and
-replaced, which no thread and no ProcessPoolExecutor task can be."""
+"""Scoring rows concurrently in processes of their own, each row cut off after a time limit: its process is killed
+and replaced, which no thread and no ProcessPoolExecutor task can be."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 import sys
 import time
 import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
 from baton.rewards.routing import RewardRoutes
 
 START_TIMEOUT_S = 300.0  # a process that has not imported the reward functions by then is broken, not slow
-_CONTEXT = multiprocessing.get_context("spawn")  # never fork: a Ray worker runs threads
 
 
 @dataclass
@@ -46,10 +47,17 @@ class ScoringPool:
         self.spec = spec if isinstance(spec, str) else dict(spec)
         self.num_processes, self.timeout_s_per_row = num_processes, timeout_s_per_row
         self._children: list[_Child] = []
-        self._finalizer = weakref.finalize(self, _stop_all, self._children)
+        weakref.finalize(self, _stop_all, self._children)
 
     def score(self, tasks: Sequence[Task]) -> list[Outcome]:
         """One `Outcome` per task, in task order."""
+        try:
+            return self._score(tasks)
+        except BaseException:  # rows left running would answer the next call: start afresh then
+            self.close()
+            raise
+
+    def _score(self, tasks: Sequence[Task]) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         running: dict[_Child, tuple[int, float]] = {}  # child -> (row, when it was sent)
@@ -61,7 +69,7 @@ class ScoringPool:
                 row = queue.popleft()
                 try:
                     child.conn.send(tasks[row])
-                except (BrokenPipeError, EOFError, OSError):  # died while idle: replace it, send the row again
+                except OSError:  # died while idle (a broken pipe): replace it, send the row again
                     self._drop(child)
                     queue.appendleft(row)
                     continue
@@ -82,7 +90,7 @@ class ScoringPool:
         return outcomes
 
     def close(self) -> None:
-        self._finalizer()
+        _stop_all(self._children)
 
     def _time_left(self, running: dict) -> float | None:
         if self.timeout_s_per_row is None:
@@ -94,10 +102,9 @@ class ScoringPool:
         try:
             kind, payload = child.conn.recv()
         except (EOFError, OSError):
-            child.process.join(5)
             self._drop(child)
-            return Outcome(error=RuntimeError(f"the scoring process exited (exit code {child.process.exitcode}) while "
-                                              "the reward function ran on this row"))
+            return Outcome(error=RuntimeError(f"the scoring process exited (exit code {child.process.returncode}) "
+                                              "while the reward function ran on this row"))
         except Exception as e:  # an exception whose class cannot be rebuilt from its pickle (a custom __init__)
             return Outcome(error=RuntimeError(f"the reward function raised an error that could not be read back from "
                                               f"its scoring process ({type(e).__name__}: {e})"))
@@ -105,9 +112,13 @@ class ScoringPool:
 
     def _start_children(self, wanted: int) -> None:
         new = [_Child.start(self.spec) for _ in range(wanted - len(self._children))]
+        try:
+            for child in new:
+                child.wait_ready()
+        except BaseException:
+            _stop_all(new)
+            raise
         self._children.extend(new)
-        for child in new:
-            child.wait_ready()
 
     def _drop(self, child: "_Child") -> None:
         child.stop()
@@ -115,15 +126,21 @@ class ScoringPool:
 
 
 class _Child:
-    def __init__(self, process, conn):
+    """One scoring process: `python -c` running `_serve` (not a multiprocessing child, which would import this
+    process's __main__ again), talking over a socket pair."""
+
+    def __init__(self, process: subprocess.Popen, conn: Connection):
         self.process, self.conn = process, conn
 
     @classmethod
     def start(cls, spec) -> "_Child":
-        parent_end, child_end = _CONTEXT.Pipe()
-        process = _CONTEXT.Process(target=_serve, args=(child_end, spec, list(sys.path)), name="baton-reward-scorer")
-        process.start()
+        parent_end, child_end = multiprocessing.Pipe()
+        fd = child_end.fileno()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # import paths as here
+        process = subprocess.Popen([sys.executable, "-c", f"from baton.rewards.pool import _serve; _serve({fd})"],
+                                   pass_fds=[fd], env=env, stdin=subprocess.DEVNULL)
         child_end.close()
+        parent_end.send(spec)
         return cls(process, parent_end)
 
     def wait_ready(self) -> None:
@@ -134,17 +151,16 @@ class _Child:
         try:
             kind, payload = self.conn.recv()
         except EOFError:
-            self.process.join(5)
-            kind, payload = "failed", f"it exited with code {self.process.exitcode}"
+            kind, payload = "failed", f"it exited with code {self.process.wait(5)}"
         if kind != "ready":
             self.stop()
             raise RuntimeError(f"a reward scoring process could not load the reward functions: {payload}")
 
     def stop(self) -> None:
         self.conn.close()
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(5)
+        self.process.wait(5)
 
 
 def _stop_all(children: list[_Child]) -> None:
@@ -153,11 +169,11 @@ def _stop_all(children: list[_Child]) -> None:
     children.clear()
 
 
-def _serve(conn, spec, sys_path: list[str]) -> None:
-    """A scoring process: resolve the rewards, then score the rows sent until the pipe closes."""
-    sys.path[:] = sys_path
+def _serve(fd: int) -> None:
+    """A scoring process: resolve the rewards sent first, then score the rows sent until the connection closes."""
+    conn = Connection(fd)
     try:
-        routes = RewardRoutes(spec)
+        routes = RewardRoutes(conn.recv())
     except Exception:  # reported to the parent, which raises it
         conn.send(("failed", traceback.format_exc()))
         return
