@@ -117,6 +117,9 @@ class DataConfig:
     task: str = "arithmetic"  # "arithmetic" or "files"
     train_path: str | None = None
     val_path: str | None = None
+    # A field name, or a dotted path into nested objects (verl: answer_key: reward_model.ground_truth); a top-level
+    # field named with the dots wins. The prompt is text or chat messages [{"role", "content"}, ...], rendered by the
+    # tokenizer's chat template when the data is loaded.
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # the ground truth the reward checks
     response_key: str | None = None  # the field SFT trains on; None: `sft_response_key`
