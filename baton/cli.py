@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dir")
     checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_200/actor), a step directory "
                        "(its actor), a run directory (its latest step), or runs/demo (its last stage)")
-    evaluate = commands.add_parser("eval", help="held-out accuracy and mean reward of a checkpoint, as its run validated it",
+    evaluate = commands.add_parser("eval", help="held-out accuracy, pass@k (with --num-samples > 1) and mean reward of a "
+                                   "checkpoint, as its run validated it",
                                    description="Score a checkpoint with its run's tokenizer, held-out data, reward and "
                                    "val_sampling (from the run directory's config.yaml); prints a JSON summary.")
     generate = commands.add_parser("generate", help="print a checkpoint's completions of prompts",

@@ -60,7 +60,7 @@ class LoadedPolicy:
     tokenizer_path: str | None
     data: DataConfig
     sampling: SamplingConfig
-    reward_fn: str
+    reward_fn: str | dict[str, str]  # a reward, or one per data_source
     from_run_config: bool
 
 

@@ -9,7 +9,7 @@ from baton.datasets import PromptDataset, collate_prompts
 from baton.datasets.prompts import DATA_SOURCE
 from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.pipelines.val_metrics import pass_at_k, sample_sizes, validation_metrics
-from baton.rewards import REWARD_EXTRA_PREFIX
+from baton.rewards import PRED, REWARD_EXTRA_PREFIX
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
@@ -73,7 +73,7 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
     if "reward" in fields:
         raise ValueError("a dict reward's field 'reward' would clash with validation's name for the score "
                          "(verl's val-core/<data_source>/reward/...); rename the field")
-    pred = rewards.non_tensor_batch.get(REWARD_EXTRA_PREFIX + "pred")
+    pred = rewards.non_tensor_batch.get(REWARD_EXTRA_PREFIX + PRED)
     votes = pred if pred is not None else [str(text).strip() for text in rewards.non_tensor_batch["response_text"]]
     correct = scores >= 1.0
     return {"val/accuracy": float(np.mean(correct)),
@@ -85,9 +85,11 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
 
 
 def reward_error_count(rewards: DataProto, prefix: str = "") -> dict[str, float]:
-    """`reward/num_errors`: the rows the reward function raised on and that were scored 0 (reward_on_error: zero)."""
-    counts = rewards.meta_info.get("metrics", {}).get("reward/num_errors", 0)
-    return {f"{prefix}reward/num_errors": float(np.sum(counts))}
+    """`reward/num_errors`: the rows the reward function raised on or ran past reward.timeout_s_per_row on, scored 0
+    (reward_on_error: zero); `reward/num_timeouts`: those of them that ran past the limit."""
+    counts = rewards.meta_info.get("metrics", {})
+    return {f"{prefix}reward/{name}": float(np.sum(counts.get(f"reward/{name}", 0)))
+            for name in ("num_errors", "num_timeouts")}
 
 
 def reward_extra_metrics(rewards: DataProto, prefix: str = "") -> dict[str, float]:

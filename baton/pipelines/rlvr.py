@@ -159,8 +159,6 @@ class RLVRPipeline(Pipeline):
                     with self.timer("sync"):
                         self.update_pairs[0].sync()
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
-                       "reward/num_timeouts": float(np.sum(rewards.meta_info.get("metrics", {})
-                                                           .get("reward/num_timeouts", 0))),
                        **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
             if self.signal_watch is not None:
