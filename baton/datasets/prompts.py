@@ -15,6 +15,7 @@ import torch
 
 from baton.data import DataProto
 from baton.datasets.files import DataError, read_rows
+from baton.rewards.routing import DATA_SOURCE, UNKNOWN_DATA_SOURCE  # verl's field naming each row's source, and its default
 
 # The columns baton writes into a batch beside a dataset's own fields, and the reward function's arguments: a data
 # field of one of these names would overwrite baton's column (or clash with the argument), so it is an error when
@@ -36,7 +37,6 @@ RESERVED_FIELDS: dict[str, str] = {
 # Not in RESERVED_FIELDS: only a dataset with chat prompts writes it, so only there is a field of this name an error.
 RAW_PROMPT = "raw_prompt"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-DATA_SOURCE, UNKNOWN_DATA_SOURCE = "data_source", "unknown"  # verl's field naming each row's source, and its default
 OVERLONG_PROMPTS = ("error", "filter")  # data.overlong_prompts: what loading does with a prompt over max_prompt_len
 _TOKENIZE_CHUNK = 1024  # prompts tokenised at once when checking lengths
 _SHORT = reprlib.Repr()  # values in messages, long ones cut in the middle

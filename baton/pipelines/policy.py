@@ -6,10 +6,9 @@ import numpy as np
 
 from baton.data import DataProto
 from baton.datasets import PromptDataset, collate_prompts
-from baton.datasets.prompts import DATA_SOURCE
 from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.pipelines.val_metrics import pass_at_k, sample_sizes, validation_metrics
-from baton.rewards import PRED, REWARD_EXTRA_PREFIX
+from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from baton.datasets.prompts import UNKNOWN_DATA_SOURCE
+from baton.rewards.routing import UNKNOWN_DATA_SOURCE
 
 NUM_BOOTSTRAP_DRAWS, BOOTSTRAP_SEED = 1000, 42  # verl's bootstrap_metric defaults
 CORE_PREFIXES = ("mean@", "maj@", "best@")  # verl's val-core metrics, at the largest sample count

@@ -32,9 +32,9 @@ class Reward:
 
     baton's convention: `fn(response, ground_truth, **fields)`, every non-tensor column of the row by keyword.
     verl's (`uses_verl_signature`: parameters named data_source and solution_str): `fn(data_source=...,
-    solution_str=response, ground_truth=..., extra_info=...)`, those four keywords only, as verl's reward managers call `compute_score`: data_source is the row's
-    `data_source` ("unknown" without that column, verl validation's name), extra_info a copy of its `extra_info` ({}
-    without it, as verl's managers default it)."""
+    solution_str=response, ground_truth=..., extra_info=...)`, those four keywords only, as verl's reward managers
+    call `compute_score`: data_source is the row's `data_source` ("unknown" without that column, verl validation's
+    name), extra_info a copy of its `extra_info` ({} without it, as verl's managers default it)."""
 
     name: str
     fn: RewardFn
