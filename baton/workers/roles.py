@@ -119,8 +119,9 @@ class RewardWorker(Worker):
     A function that returns a non-number (None, a string, nan) raises RewardError either way.
 
     num_processes: 0 scores the rows one after another in this process; more scores them concurrently in that many
-    spawned processes, where a row running past `timeout_s_per_row` (None: no limit) is cut off (its process killed)
-    and treated like a row the function raised on (counted in "reward/num_timeouts" too).
+    processes of their own (`baton.rewards.ScoringPool`), where a row running past `timeout_s_per_row` (None: no
+    limit) is cut off (its process killed) and treated like a row the function raised on (counted in
+    "reward/num_timeouts" too).
 
     overlong_buffer_len > 0: DAPO's soft overlong penalty (`baton.rewards.overlong_penalty`, with `max_response_len`
     the sampling limit) is added to the score of the batches `compute_rewards` is asked to penalise.
