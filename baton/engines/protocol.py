@@ -81,9 +81,9 @@ class GenerationResult:
     log_probs: log p(token) per response token at the request's sampling temperature, before top-k/top-p
         filtering (what a trainer recomputes at that temperature); greedy (temperature 0) reports
         temperature-1 log-probs. float32 values.
-    weight_versions: per token, the `weight_version` of the weights that sampled it. Weights may change
-        while a request runs (`update_weights` between decode steps); the tokens after the change come
-        from the new weights, over a KV cache the old ones computed.
+    weight_versions: per token, the `weight_version` of the weights whose forward pass gave the distribution
+        it was sampled from. Weights may change while a request runs (`update_weights` between decode
+        steps); the tokens after the change come from the new weights, over a KV cache the old ones computed.
     weight_version: the version at finish (of the last token, or the engine's when no token was made).
     finish_reason: "stop" (a stop token), "length" (max_new_tokens), "abort" (`Engine.abort`).
     """
@@ -139,8 +139,9 @@ class Engine(Protocol):
 
     async def update_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
         """Load full parameters (any subset, in HF names, as `ModelStrategy.export_weights` yields them) between
-        decode steps; tokens sampled after this returns come from them and carry `version` (at least the
-        current version)."""
+        decode steps, and set `weight_version` to `version` (at least the current one). Every forward pass
+        after this returns uses them. A token carries the version of the forward pass that computed its
+        distribution, so a running request's first token after the update may still carry the old one."""
 
     async def sleep(self) -> None:
         """Release model and KV-cache memory (no request may be in flight; abort them first) and run nothing
