@@ -1,0 +1,415 @@
+"""The `hf` engine: the shipped sampling loop (`baton.strategy.sampling`) batched continuously, request by request.
+
+One scheduler task on the caller's event loop runs decode steps in a one-thread executor, so the loop stays
+free while the model runs. A step (1) prefills the requests that arrived since the last step, as one
+left-padded group (equal prompts of the group run once), and merges their KV cache into the running batch's,
+left-padding both to a common length; (2) samples one token for every row; (3) drops the finished rows;
+(4) runs one decode forward for the rest. Everything that changes the batch (abort, weights, sleep) runs in
+the same executor, between steps.
+
+Numerics: every request samples with its own generator (seeded by `params.seed`), drawing from its own row's
+distribution, so its tokens do not depend on what else runs: a sampled request equals a one-prompt
+`HFStrategy.generate` call with that seed, and greedy requests equal one batch call (up to float rounding of
+the different batch shapes, which can flip a near-tie).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
+from baton.strategy.base import StrategyConfig
+from baton.strategy.logprobs import cache_argument, position_ids_from_mask
+from baton.strategy.sampling import _filter_logits
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request and what it generated so far. `future` is the event loop's; the rest belongs to the executor."""
+
+    request: GenerationRequest
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None  # None: greedy
+    future: asyncio.Future
+    response_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.response_ids = list(self.request.prefix_response_ids)
+        self.log_probs = list(self.request.prefix_log_probs)
+        self.weight_versions = list(self.request.prefix_weight_versions)
+
+    def result(self, finish_reason: FinishReason, engine_version: int) -> GenerationResult:
+        version = self.weight_versions[-1] if self.weight_versions else engine_version
+        return GenerationResult(self.request.request_id, tuple(self.response_ids), tuple(self.log_probs),
+                                tuple(self.weight_versions), version, finish_reason)
+
+
+def _left_pad(tensor: torch.Tensor, width: int, value=0) -> torch.Tensor:
+    """`tensor` with `width` columns of `value` before dim -2 (KV tensors [batch, heads, seq, dim]) or dim -1."""
+    if width == 0:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, 0, width, 0) if tensor.dim() == 4 else (width, 0), value=value)
+
+
+class _RunningBatch:
+    """The rows being generated, in cache order, with their KV cache and the logits each samples its next token from.
+
+    Used from the engine's executor thread only.
+    """
+
+    def __init__(self, model, pad_token_id: int, autocast):
+        self.model, self.pad_token_id, self.autocast = model, pad_token_id, autocast
+        self.cache_kwarg = cache_argument(model)
+        self.rows: list[_Sequence] = []
+        self.cache: DynamicCache | None = None
+        self.attention_mask: torch.Tensor | None = None  # [rows, cache_len], 0 on left padding
+        self.next_position: torch.Tensor | None = None  # [rows, 1]
+        self.logits: torch.Tensor | None = None  # [rows, vocab]
+        self.logits_versions: list[int] = []  # per row: the weight version that computed its logits
+
+    def admit(self, new: list[_Sequence], version: int) -> None:
+        """Prefill `new` as one left-padded group (equal inputs once) and merge it into the batch."""
+        device = self.model.device
+        inputs = [(*s.request.prompt_ids, *s.request.prefix_response_ids) for s in new]
+        distinct = list(dict.fromkeys(inputs))
+        width = max(len(x) for x in distinct)
+        input_ids = torch.full((len(distinct), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(distinct), width, dtype=torch.long)
+        for i, ids in enumerate(distinct):
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            mask[i, width - len(ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        position_ids = position_ids_from_mask(mask)  # [distinct, width]
+        cache = DynamicCache()
+        with self.autocast():
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=1,
+                             use_cache=True, **{self.cache_kwarg: cache})
+        index_of = {ids: i for i, ids in enumerate(distinct)}
+        row_input = torch.tensor([index_of[ids] for ids in inputs], device=device)
+        cache.batch_select_indices(row_input)
+        self._merge(new, cache, mask[row_input], position_ids[row_input, -1:] + 1, out.logits[row_input, -1, :],
+                    version)
+
+    def _merge(self, new: list[_Sequence], cache: DynamicCache, mask: torch.Tensor, next_position: torch.Tensor,
+               logits: torch.Tensor, version: int) -> None:
+        self.logits_versions += [version] * len(new)
+        if not self.rows:
+            self.rows, self.cache, self.attention_mask, self.next_position, self.logits = (
+                list(new), cache, mask, next_position, logits)
+            return
+        ours, theirs = self.attention_mask.shape[1], mask.shape[1]
+        width = max(ours, theirs)
+        for mine, other in zip(self.cache.layers, cache.layers):
+            assert isinstance(mine, DynamicLayer) and type(mine) is type(other), "full-attention dynamic layers only"
+            mine.keys = torch.cat([_left_pad(mine.keys, width - ours), _left_pad(other.keys, width - theirs)])
+            mine.values = torch.cat([_left_pad(mine.values, width - ours), _left_pad(other.values, width - theirs)])
+        self.attention_mask = torch.cat([_left_pad(self.attention_mask, width - ours),
+                                         _left_pad(mask, width - theirs)])
+        self.next_position = torch.cat([self.next_position, next_position])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += new
+
+    def sample(self) -> tuple[list[int], list[float]]:
+        """One token per row from its logits, with its log-prob at the row's temperature (as `sampling.next_tokens`,
+        but with each row's own generator)."""
+        logits = self.logits.float()
+        tokens = torch.empty(len(self.rows), dtype=torch.long, device=logits.device)
+        log_probs = torch.empty(len(self.rows), dtype=torch.float32, device=logits.device)
+        groups: dict[tuple, list[int]] = {}
+        for i, row in enumerate(self.rows):
+            p = row.request.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+        for (temperature, top_k, top_p), indices in groups.items():
+            index = torch.tensor(indices, device=logits.device)
+            group = logits if len(indices) == len(self.rows) else logits[index]
+            if temperature == 0:
+                chosen = group.argmax(-1)
+            else:
+                group = group / temperature
+                probs = torch.softmax(_filter_logits(group, top_k, top_p), -1)
+                chosen = torch.cat([torch.multinomial(probs[j : j + 1], 1, generator=self.rows[i].generator)[0]
+                                    for j, i in enumerate(indices)])
+            tokens[index] = chosen
+            log_probs[index] = torch.log_softmax(group, -1).gather(-1, chosen[:, None]).squeeze(-1)
+        return tokens.tolist(), log_probs.tolist()
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep these rows (indices, in order) and drop the rest, with the padding columns no row needs any more."""
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.logits_versions = [], []
+            self.cache = self.attention_mask = self.next_position = self.logits = None
+            return
+        index = torch.tensor(keep, device=self.attention_mask.device)
+        self.cache.batch_select_indices(index)
+        self.rows = [self.rows[i] for i in keep]
+        self.logits_versions = [self.logits_versions[i] for i in keep]
+        self.attention_mask, self.next_position, self.logits = (
+            self.attention_mask[index], self.next_position[index], self.logits[index])
+        unused = int(self.attention_mask.any(0).long().argmax())  # leading columns padding in every row
+        if unused:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+            self.attention_mask = self.attention_mask[:, unused:]
+
+    def decode(self, tokens: list[int], version: int) -> None:
+        """One forward of each row's last token: the logits of its next one."""
+        input_ids = torch.tensor(tokens, device=self.attention_mask.device)[:, None]  # [rows, 1]
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(tokens), 1)], dim=1)
+        with self.autocast():
+            self.logits = self.model(input_ids=input_ids, attention_mask=self.attention_mask,
+                                     position_ids=self.next_position, use_cache=True,
+                                     **{self.cache_kwarg: self.cache}).logits[:, -1, :]
+        self.next_position = self.next_position + 1
+        self.logits_versions = [version] * len(tokens)
+
+
+class HFEngine:
+    """Continuous batching over a transformers causal LM (see the module docstring); implements `Engine`.
+
+    model: the causal LM, already on its device (the engine puts it in eval mode and owns it: do not run it
+        elsewhere while the engine works). tokenizer: its pad and eos ids are used.
+    seed: seeds the seeds of requests that bring none. max_num_seqs: rows in the running batch at most; more
+        requests wait. compute_dtype: autocast dtype (mixed precision, as `StrategyConfig.compute_dtype`), or None.
+    """
+
+    def __init__(self, model, tokenizer, *, seed: int = 0, max_num_seqs: int = 256,
+                 compute_dtype: torch.dtype | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.eos_token_id = tokenizer.eos_token_id
+        self.max_num_seqs = max_num_seqs
+
+        def autocast():
+            return (contextlib.nullcontext() if compute_dtype is None
+                    else torch.autocast(self.device.type, dtype=compute_dtype))
+
+        self._batch = _RunningBatch(self.model, tokenizer.pad_token_id, autocast)  # executor thread only
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._weight_version = 0
+        # Event-loop side.
+        self._waiting: list[_Sequence] = []
+        self._in_flight: dict[str, _Sequence] = {}  # waiting or running
+        self._num_running = 0
+        self._cancelled: set[str] = set()  # generate() calls cancelled by their callers
+        self._paused = self._sleeping = False
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._scheduler: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: StrategyConfig, device: torch.device | None = None, **kwargs) -> "HFEngine":
+        """The model and tokenizer of a role's `StrategyConfig`, built as the `hf` strategy builds them."""
+        from baton.models import load_tokenizer
+        from baton.strategy.hf import build_role_model, default_device
+
+        if config.kind != "causal_lm":
+            raise ValueError(f"an engine generates with a causal LM; this config's kind is {config.kind!r}")
+        model = build_role_model(config).to(device or default_device())
+        return cls(model, load_tokenizer(config.tokenizer), seed=config.seed,
+                   compute_dtype=config.mixed_precision_dtype, **kwargs)
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        loop = self._ensure_scheduler()
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request {request.request_id!r} is already in flight; request ids must be unique")
+        vocab_size = self.model.config.vocab_size
+        if any(not 0 <= t < vocab_size for t in (*request.prompt_ids, *request.prefix_response_ids)):
+            raise ValueError(f"request {request.request_id!r} holds token ids outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+        params = request.params
+        stop = params.stop_token_ids if params.stop_token_ids is not None else (self.eos_token_id,)
+        if request.prefix_response_ids and request.prefix_response_ids[-1] in stop:
+            raise ValueError(f"request {request.request_id!r} resumes a response that ends with a stop token: it is "
+                             "finished")
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+            generator = torch.Generator(self.device).manual_seed(seed)
+        sequence = _Sequence(request, frozenset(stop), generator, loop.create_future())
+        self._in_flight[request.request_id] = sequence
+        self._waiting.append(sequence)
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(sequence.future)
+        except asyncio.CancelledError:
+            if not sequence.future.done():
+                self._cancelled.add(request.request_id)
+                self._wakeup.set()
+            raise
+
+    async def abort(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        request_ids = [i for i in dict.fromkeys(request_ids) if i in self._in_flight]
+        aborted = {}
+        for sequence in [s for s in self._waiting if s.request.request_id in request_ids]:
+            self._waiting.remove(sequence)
+            aborted[sequence.request.request_id] = sequence.result("abort", self._weight_version)
+        running = set(request_ids) - set(aborted)
+        if running:
+            removed = await self._run(self._abort_rows, running)
+            self._num_running -= len(removed)
+            aborted.update((sequence.request.request_id, result) for sequence, result in removed)
+        results = [aborted[i] for i in request_ids if i in aborted]
+        for result in results:
+            self._settle(self._in_flight[result.request_id], result)
+        return results
+
+    # --- control ------------------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        self._paused = True
+        await self._run(lambda: None)  # the executor is FIFO: a step in flight has ended
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def update_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        if version < self._weight_version:
+            raise ValueError(f"weight version {version} is older than the engine's {self._weight_version}; versions "
+                             "only go up")
+        await self._run(self._load_weights, buckets, version)
+
+    async def sleep(self) -> None:
+        """On a GPU: the model goes to CPU memory and the KV cache (empty: nothing may run) is freed. On CPU there
+        is nothing to release (a no-op but for holding steps until `wake_up`)."""
+        if self._in_flight:
+            raise RuntimeError(f"{len(self._in_flight)} requests are in flight; abort them (or let them finish) "
+                               "before sleep()")
+        self._sleeping = True
+        if self.device.type == "cuda":
+            await self._run(self._offload, torch.device("cpu"))
+
+    async def wake_up(self) -> None:
+        if self._sleeping and self.device.type == "cuda":
+            await self._run(self._offload, self.device)
+        self._sleeping = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(self._error is None, self._num_running, len(self._waiting), self._paused, self._sleeping,
+                            self._weight_version, None if self._error is None else repr(self._error))
+
+    # --- the scheduler (event loop) -----------------------------------------------------------------
+
+    def _ensure_scheduler(self) -> asyncio.AbstractEventLoop:
+        if self._error is not None:
+            raise RuntimeError(f"the hf engine stopped after a failed step: {self._error!r}") from self._error
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._in_flight:
+                raise RuntimeError("requests are in flight on another event loop; an engine serves one loop at a time")
+            self._loop, self._wakeup = loop, asyncio.Event()
+            self._scheduler = loop.create_task(self._schedule())
+        return loop
+
+    async def _run(self, fn, *args):
+        """`fn(*args)` in the executor, after any step in flight."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _schedule(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while not (self._paused or self._sleeping) and (self._num_running or self._waiting or self._cancelled):
+                cancelled, self._cancelled = self._cancelled, set()
+                for sequence in [s for s in self._waiting if s.request.request_id in cancelled]:
+                    self._waiting.remove(sequence)
+                    self._settle(sequence, sequence.result("abort", self._weight_version))
+                num_new = max(0, self.max_num_seqs - self._num_running)
+                new, self._waiting = self._waiting[:num_new], self._waiting[num_new:]
+                try:
+                    finished = await self._run(self._step, new, cancelled)
+                except Exception as error:  # a failed forward: every waiting caller gets the error
+                    self._fail(error)
+                    return
+                self._num_running += len(new) - len(finished)
+                for sequence, result in finished:
+                    self._settle(sequence, result)
+
+    def _settle(self, sequence: _Sequence, result: GenerationResult) -> None:
+        del self._in_flight[sequence.request.request_id]
+        if not sequence.future.done():
+            sequence.future.set_result(result)
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        for sequence in self._in_flight.values():
+            if not sequence.future.done():
+                sequence.future.set_exception(RuntimeError(f"the hf engine's decode step failed: {error!r}"))
+        self._in_flight.clear()
+        self._waiting.clear()
+
+    # --- the executor's work ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _step(self, new: list[_Sequence], cancelled: set[str]) -> list[tuple[_Sequence, GenerationResult]]:
+        """Admit `new`, drop `cancelled`, sample a token per row, drop the finished rows, decode the rest."""
+        batch, version = self._batch, self._weight_version
+        finished = self._abort_rows(cancelled) if cancelled else []
+        if new:
+            batch.admit(new, version)
+        if not batch.rows:
+            return finished
+        tokens, log_probs = batch.sample()
+        keep = []
+        for i, (row, token, log_prob) in enumerate(zip(batch.rows, tokens, log_probs)):
+            row.response_ids.append(token)
+            row.log_probs.append(log_prob)
+            row.weight_versions.append(batch.logits_versions[i])
+            if token in row.stop_token_ids:
+                finished.append((row, row.result("stop", version)))
+            elif len(row.response_ids) == row.request.params.max_new_tokens:
+                finished.append((row, row.result("length", version)))
+            else:
+                keep.append(i)
+        batch.keep(keep)
+        if batch.rows:
+            batch.decode([tokens[i] for i in keep], version)
+        return finished
+
+    def _abort_rows(self, request_ids: set[str]) -> list[tuple[_Sequence, GenerationResult]]:
+        batch = self._batch
+        keep = [i for i, row in enumerate(batch.rows) if row.request.request_id not in request_ids]
+        aborted = [row for row in batch.rows if row.request.request_id in request_ids]
+        batch.keep(keep)
+        return [(row, row.result("abort", self._weight_version)) for row in aborted]
+
+    @torch.no_grad()
+    def _load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        names = set(self.model.state_dict())
+        for bucket in buckets:
+            unknown = set(bucket) - names
+            if unknown:
+                raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in the engine's model; the two sides "
+                                 "hold different architectures")
+            self.model.load_state_dict({k: v.to(self.device) for k, v in bucket.items()}, strict=False)
+        self._weight_version = version
+
+    def _offload(self, device: torch.device) -> None:
+        self.model.to(device)
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
