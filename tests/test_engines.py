@@ -369,3 +369,20 @@ def test_bad_requests_fail_alone(strategy, prompt_ids):
     result, health = asyncio.run(run())
     assert_same(result, batch_generate(strategy, [prompt_ids[0]], GREEDY)[0])
     assert health.healthy and health.error is None
+
+
+def test_close_aborts_what_is_in_flight_and_serves_nothing_after(strategy, prompt_ids):
+    engine = make_engine(strategy)
+    long = dataclass_replace(GREEDY, max_new_tokens=200)
+
+    async def run():
+        task = asyncio.create_task(engine.generate(GenerationRequest("a", prompt_ids[0], long)))
+        await until_running(engine)
+        await engine.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate(GenerationRequest("b", prompt_ids[0], GREEDY))
+        return await task, await engine.health()
+
+    result, health = asyncio.run(run())
+    assert result.finish_reason == "abort" and 1 <= len(result.response_ids) < 200
+    assert not health.healthy and "closed" in health.error

@@ -137,8 +137,13 @@ class _RunningBatch:
             else:
                 group = group / temperature
                 probs = torch.softmax(_filter_logits(group, top_k, top_p), -1)
-                chosen = torch.cat([torch.multinomial(probs[j : j + 1], 1, generator=self.rows[i].generator)[0]
-                                    for j, i in enumerate(indices)])
+                # torch.multinomial's own one-sample draw, argmax(p / q) with q ~ Exp(1) (the Gumbel trick), with
+                # each row's q from its generator: the same token as a one-row multinomial call with that
+                # generator, at a fifth of its cost per row. test_engines checks the equality.
+                q = torch.empty_like(probs)
+                for j, i in enumerate(indices):
+                    q[j].exponential_(1, generator=self.rows[i].generator)
+                chosen = (probs / q).argmax(-1)
             tokens[index] = chosen
             log_probs[index] = torch.log_softmax(group, -1).gather(-1, chosen[:, None]).squeeze(-1)
         return tokens.tolist(), log_probs.tolist()
@@ -313,11 +318,21 @@ class HFEngine:
         return EngineHealth(self._error is None, self._num_running, len(self._waiting), self._paused, self._sleeping,
                             self._weight_version, None if self._error is None else repr(self._error))
 
+    async def close(self) -> None:
+        """Abort what is in flight, stop the scheduler and the executor thread. The engine serves nothing after."""
+        await self.abort(list(self._in_flight))
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scheduler
+        self._executor.shutdown()
+        self._error = self._error or RuntimeError("the engine was closed")
+
     # --- the scheduler (event loop) -----------------------------------------------------------------
 
     def _ensure_scheduler(self) -> asyncio.AbstractEventLoop:
         if self._error is not None:
-            raise RuntimeError(f"the hf engine stopped after a failed step: {self._error!r}") from self._error
+            raise RuntimeError(f"the hf engine serves no more requests: {self._error!r}") from self._error
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             if self._in_flight:
