@@ -146,7 +146,7 @@ def print_report(figures: dict) -> None:
               f"{entry['hf_engine']['tokens_per_s']:>14.0f}{ratio:>7.2f}{entry['hf_engine']['start_s']:>9.2f}"
               f"{entry['hf_engine']['weight_update_s']:>10.3f}   >= {TARGET_ENGINE_RATIO:<5}"
               f"{'PASS' if ratio >= TARGET_ENGINE_RATIO else 'FAIL'}")
-    print("(ratio = engine tokens/s / batch tokens/s; start = building the engine on a built model; update = "
+    print("(ratio = engine tokens/s / batch tokens/s; start = building the model and the engine; update = "
           "update_weights with the full model)\n")
 
 

@@ -386,3 +386,29 @@ def test_close_aborts_what_is_in_flight_and_serves_nothing_after(strategy, promp
     result, health = asyncio.run(run())
     assert result.finish_reason == "abort" and 1 <= len(result.response_ids) < 200
     assert not health.healthy and "closed" in health.error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_requests_equal_the_batch_path_and_sleep_releases_the_model(prompt_ids):
+    cuda = torch.device("cuda")
+    strategy = HFStrategy(StrategyConfig(model="tiny-qwen2", seed=0), device=cuda)
+    params = [SamplingParams(max_new_tokens=16, stop_token_ids=(NEVER,), seed=7 + i, temperature=t)
+              for i, t in enumerate([0.0, 1.0, 0.7])]
+    expected = [batch_generate(strategy, [ids], p)[0] for ids, p in zip(prompt_ids, params)]
+    engine = HFEngine(build_model("tiny-qwen2", seed=0).to(cuda), strategy.tokenizer)
+    requests = [GenerationRequest(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+
+    async def run():
+        first = await staggered(engine, requests)
+        await engine.sleep()
+        device_asleep = next(engine.model.parameters()).device
+        await engine.wake_up()
+        return first, device_asleep, await staggered(engine, [GenerationRequest(f"again{i}", r.prompt_ids, r.params)
+                                                              for i, r in enumerate(requests)])
+
+    first, device_asleep, again = asyncio.run(run())
+    assert device_asleep.type == "cpu"
+    for results in (first, again):
+        for result, row in zip(results, expected):
+            assert_same(result, row, atol=1e-4)

@@ -292,6 +292,8 @@ class HFEngine:
             self._wakeup.set()
 
     async def update_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Buckets load one by one; a bucket naming a weight the model lacks raises ValueError, with the buckets
+        before it loaded and the version unchanged."""
         if version < self._weight_version:
             raise ValueError(f"weight version {version} is older than the engine's {self._weight_version}; versions "
                              "only go up")
