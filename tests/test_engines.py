@@ -4,6 +4,7 @@ resume, weights in place, pause, sleep and health, on tiny-qwen2."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ def test_concurrent_greedy_requests_equal_one_batch_call(strategy, prompt_ids):
 
 def test_a_running_batch_admits_new_requests_between_steps(strategy, prompt_ids):
     """At most two rows run at once: the rest wait and join as rows finish, still with the batch path's tokens."""
-    params = [dataclass_replace(GREEDY, max_new_tokens=n) for n in (3, 20, 7, 12, 5, 9)]
+    params = [dataclasses.replace(GREEDY, max_new_tokens=n) for n in (3, 20, 7, 12, 5, 9)]
     expected = [batch_generate(strategy, [ids], p)[0] for ids, p in zip(prompt_ids, params)]
     engine = make_engine(strategy, max_num_seqs=2)
 
@@ -140,12 +141,6 @@ def test_a_running_batch_admits_new_requests_between_steps(strategy, prompt_ids)
     assert health.num_running == 2 and health.num_waiting == 4
     for result, row in zip(results, expected):
         assert_same(result, row)
-
-
-def dataclass_replace(params: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)
 
 
 def test_sampled_requests_equal_one_prompt_calls_with_their_seeds(strategy, prompt_ids):
@@ -169,7 +164,7 @@ def test_a_stop_token_ends_the_request(strategy, prompt_ids):
     tokens, _, _ = batch_generate(strategy, [prompt_ids[1]], GREEDY)[0]
     stop = tokens[5]
     first = tokens.index(stop)
-    params = dataclass_replace(GREEDY, stop_token_ids=(stop,))
+    params = dataclasses.replace(GREEDY, stop_token_ids=(stop,))
     [result] = asyncio.run(staggered(make_engine(strategy), [GenerationRequest("a", prompt_ids[1], params)]))
     assert result.finish_reason == "stop" and list(result.response_ids) == tokens[: first + 1]
     assert result.response_ids[-1] == stop
@@ -179,7 +174,7 @@ def test_a_stop_token_ends_the_request(strategy, prompt_ids):
 
 
 def test_abort_returns_the_partial_response_and_a_resumed_request_completes_it(strategy, prompt_ids):
-    params = dataclass_replace(GREEDY, max_new_tokens=40)
+    params = dataclasses.replace(GREEDY, max_new_tokens=40)
     expected = batch_generate(strategy, [prompt_ids[4]], params)[0]
     engine = make_engine(strategy)
     request = GenerationRequest("long", prompt_ids[4], params)
@@ -226,7 +221,7 @@ def test_abort_while_paused_and_of_waiting_requests(strategy, prompt_ids):
 
 def test_a_cancelled_generate_call_leaves_the_engine(strategy, prompt_ids):
     engine = make_engine(strategy)
-    long = dataclass_replace(GREEDY, max_new_tokens=200)
+    long = dataclasses.replace(GREEDY, max_new_tokens=200)
 
     async def run():
         task = asyncio.create_task(engine.generate(GenerationRequest("a", prompt_ids[0], long)))
@@ -272,7 +267,7 @@ def test_update_weights_switches_outputs_to_the_new_weights(strategy, other_stra
 
 
 def test_weights_updated_mid_request_are_recorded_per_token(strategy, other_strategy, prompt_ids):
-    params = dataclass_replace(GREEDY, max_new_tokens=30)
+    params = dataclasses.replace(GREEDY, max_new_tokens=30)
     engine = make_engine(strategy)
 
     async def run():
@@ -308,7 +303,7 @@ def recomputed_log_probs(strategy: HFStrategy, prompt: list[int], response: list
 
 
 def test_pause_holds_decode_steps_until_resume(strategy, prompt_ids):
-    params = dataclass_replace(GREEDY, max_new_tokens=30)
+    params = dataclasses.replace(GREEDY, max_new_tokens=30)
     expected = batch_generate(strategy, [prompt_ids[4], prompt_ids[0]], params)
     engine = make_engine(strategy)
 
@@ -362,7 +357,7 @@ def test_bad_requests_fail_alone(strategy, prompt_ids):
         with pytest.raises(ValueError, match="outside the model's vocabulary"):
             await engine.generate(GenerationRequest("b", [1, CHAR_VOCAB_SIZE], GREEDY))
         with pytest.raises(ValueError, match="ends with a stop token"):
-            stop_at_5 = dataclass_replace(GREEDY, stop_token_ids=(5,))
+            stop_at_5 = dataclasses.replace(GREEDY, stop_token_ids=(5,))
             await engine.generate(GenerationRequest("c", [1, 2], stop_at_5, [4, 5], [-1.0, -1.0], [0, 0]))
         return await task, await engine.health()
 
@@ -373,7 +368,7 @@ def test_bad_requests_fail_alone(strategy, prompt_ids):
 
 def test_close_aborts_what_is_in_flight_and_serves_nothing_after(strategy, prompt_ids):
     engine = make_engine(strategy)
-    long = dataclass_replace(GREEDY, max_new_tokens=200)
+    long = dataclasses.replace(GREEDY, max_new_tokens=200)
 
     async def run():
         task = asyncio.create_task(engine.generate(GenerationRequest("a", prompt_ids[0], long)))

@@ -39,9 +39,9 @@ class _Sequence:
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None  # None: greedy
     future: asyncio.Future
-    response_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(init=False)  # the whole response so far, a resumed request's prefix first
+    log_probs: list[float] = field(init=False)
+    weight_versions: list[int] = field(init=False)
 
     def __post_init__(self):
         self.response_ids = list(self.request.prefix_response_ids)
@@ -54,11 +54,11 @@ class _Sequence:
                                 tuple(self.weight_versions), version, finish_reason)
 
 
-def _left_pad(tensor: torch.Tensor, width: int, value=0) -> torch.Tensor:
-    """`tensor` with `width` columns of `value` before dim -2 (KV tensors [batch, heads, seq, dim]) or dim -1."""
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """`tensor` with `width` columns of zeros before dim -2 (KV tensors [batch, heads, seq, dim]) or dim -1 (masks)."""
     if width == 0:
         return tensor
-    return torch.nn.functional.pad(tensor, (0, 0, width, 0) if tensor.dim() == 4 else (width, 0), value=value)
+    return torch.nn.functional.pad(tensor, (0, 0, width, 0) if tensor.dim() == 4 else (width, 0))
 
 
 class _RunningBatch:
