@@ -150,3 +150,7 @@ class Engine(Protocol):
     async def wake_up(self) -> None: ...
 
     async def health(self) -> EngineHealth: ...
+
+    async def close(self) -> None:
+        """Abort what is in flight (their `generate` calls return "abort" results) and release the engine's
+        threads and memory; it serves nothing after."""
