@@ -1,0 +1,370 @@
+"""The `vllm` engine: vLLM's engine core run in this process and driven request by request; implements `Engine`.
+
+vLLM batches continuously inside `LLMEngine.step()`: a request added between two steps joins the running batch
+at the next one, and a finished or aborted one leaves it. One scheduler task on the caller's event loop runs the
+steps in a one-thread executor, as the hf engine does, so the loop stays free while the model runs, and every
+change to the engine (abort, weights, pause) runs between two steps.
+
+Why `LLMEngine` in this process, not vLLM's `AsyncLLM`: in vLLM 0.32 `AsyncLLM` always spawns a separate
+engine-core process ("Running EngineCore in asyncio without multiprocessing is not currently supported"); a
+spawned child runs the parent's `__main__` again (a script without a main guard fails), its idle loop keeps
+polling beside the trainer, and new weights would cross a socket. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and
+the "uni" executor, scheduler and model live in this process: it starts in seconds, fits a 1-CPU Ray actor, and
+`update_weights` hands vLLM the tensors themselves.
+
+Numerics: log-probs come from vLLM's sampler in "processed_logprobs" mode: log-softmax of the logits after the
+request's temperature (greedy: temperature 1), which is the protocol's contract when no top-k / top-p filter is
+set. With a filter vLLM reports the filtered distribution's log-probs, which differ from what a trainer
+recomputes, so such requests are refused. A seeded request samples from its own generator, so its tokens do not
+depend on what else runs; greedy requests equal one batch call (up to float rounding of batch shapes).
+
+Side effect: vLLM's CPU worker replaces `torch.set_num_threads` with a warning for the whole process, so the
+process that builds this engine keeps its torch thread count from then on.
+
+Import this module only where vLLM is installed (`scripts/setup.sh --vllm`); `import baton.engines` does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
+from baton.strategy.base import StrategyConfig
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request and what it generated so far. `future` is the event loop's; the token lists belong to the executor."""
+
+    request: GenerationRequest
+    future: asyncio.Future
+    response_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.response_ids = list(self.request.prefix_response_ids)
+        self.log_probs = list(self.request.prefix_log_probs)
+        self.weight_versions = list(self.request.prefix_weight_versions)
+
+    def result(self, finish_reason: FinishReason, engine_version: int) -> GenerationResult:
+        version = self.weight_versions[-1] if self.weight_versions else engine_version
+        return GenerationResult(self.request.request_id, tuple(self.response_ids), tuple(self.log_probs),
+                                tuple(self.weight_versions), version, finish_reason)
+
+
+class VLLMEngine:
+    """vLLM's in-process engine behind the `Engine` protocol (see the module docstring).
+
+    model_path: a local directory holding an HF checkpoint (config.json + safetensors) and its tokenizer.
+    seed: seeds the seeds of requests that bring none. dtype: vLLM's compute dtype ("float32" matches an HF
+        forward to ~1e-6 on CPU; bf16 is slower on AVX2 CPUs and its log-probs differ by ~1e-2).
+    kv_cache_memory_bytes: the KV cache's size (on CPU, `VLLM_CPU_KVCACHE_SPACE` overrides it). max_num_seqs:
+        requests in the running batch at most; more wait inside vLLM.
+    engine_kwargs: more `vllm.EngineArgs` fields (e.g. `max_model_len`, `gpu_memory_utilization`).
+    """
+
+    def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32",
+                 kv_cache_memory_bytes: int = 256 << 20, max_num_seqs: int = 256, **engine_kwargs: Any):
+        if not os.path.isdir(model_path):
+            raise ValueError(f"model_path {model_path!r} is not a directory; the vllm engine loads an HF checkpoint "
+                             "with its tokenizer from a local directory (see VLLMEngine.from_config)")
+        # Read by vLLM when the engine is built (it decides whether LLMEngine spawns an engine-core process).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        # On CPU vLLM refuses enable_sleep_mode ("Sleep mode is not supported on current platform").
+        self._sleep_supported = not current_platform.is_cpu()
+        args = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=True,
+                    distributed_executor_backend="uni", kv_cache_memory_bytes=kv_cache_memory_bytes,
+                    max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", disable_log_stats=True,
+                    enable_sleep_mode=self._sleep_supported)
+        args.update(engine_kwargs)
+        # vLLM's CPU attention kernel must run with the OpenMP thread count of the thread that built the engine (a
+        # step from another thread failed "Check failed: input->metadata->thread_num == thread_num (2 vs. 1)"), so
+        # the executor's one thread builds the engine and runs every step.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self._engine = self._executor.submit(LLMEngine.from_engine_args, EngineArgs(**args)).result()
+        hf_config = self._engine.model_config.hf_config
+        self.vocab_size = hf_config.vocab_size
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.eos_token_id = self._engine.get_tokenizer().eos_token_id
+        self._seeds = random.Random(seed)
+        self._weight_version = 0
+        self._owned_directory: str | None = None  # a checkpoint from_config wrote, removed by close()
+        # Event-loop side.
+        self._to_add: list[_Sequence] = []  # not yet handed to vLLM
+        self._in_flight: dict[str, _Sequence] = {}  # handed to vLLM or not yet
+        self._cancelled: set[str] = set()  # generate() calls cancelled by their callers
+        self._paused = self._sleeping = self._closed = False
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._scheduler: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: StrategyConfig, **kwargs) -> "VLLMEngine":
+        """The model and tokenizer of a role's `StrategyConfig`. A checkpoint directory is served as it is; a
+        MODEL_CONFIGS name or dict is built as the `hf` strategy builds it (same seed, same weights) and written
+        with its tokenizer to a temporary directory the engine removes at `close`."""
+        from baton.models import load_tokenizer, save_tokenizer
+        from baton.strategy.hf import build_role_model
+
+        if config.kind != "causal_lm":
+            raise ValueError(f"an engine generates with a causal LM; this config's kind is {config.kind!r}")
+        kwargs.setdefault("seed", config.seed)
+        kwargs.setdefault("dtype", config.dtype if config.compute_dtype is None else config.compute_dtype)
+        if isinstance(config.model, str) and os.path.isdir(config.model):
+            if config.tokenizer is not None and os.path.realpath(config.tokenizer) != os.path.realpath(config.model):
+                kwargs.setdefault("tokenizer", config.tokenizer)
+            elif not os.path.exists(os.path.join(config.model, "tokenizer_config.json")):
+                raise ValueError(f"{config.model!r} holds no tokenizer; set the role's tokenizer: to its directory")
+            return cls(config.model, **kwargs)
+        directory = tempfile.mkdtemp(prefix="baton-vllm-")
+        try:
+            build_role_model(config).save_pretrained(directory)
+            save_tokenizer(load_tokenizer(config.tokenizer), directory)
+            engine = cls(directory, **kwargs)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        engine._owned_directory = directory
+        return engine
+
+    async def close(self) -> None:
+        """Abort what is in flight, stop the scheduler, and release vLLM's engine, its executor thread and a checkpoint
+        `from_config` wrote. The engine serves nothing after; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.abort(list(self._in_flight))
+        if self._scheduler is not None and self._loop is asyncio.get_running_loop():
+            self._scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scheduler
+        await self._run(self._engine.engine_core.shutdown)
+        self._executor.shutdown()
+        self._error = self._error or RuntimeError("the engine was closed")
+        if self._owned_directory is not None:
+            shutil.rmtree(self._owned_directory, ignore_errors=True)
+            self._owned_directory = None
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        loop = self._ensure_scheduler()
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request {request.request_id!r} is already in flight; request ids must be unique")
+        if any(not 0 <= t < self.vocab_size for t in (*request.prompt_ids, *request.prefix_response_ids)):
+            raise ValueError(f"request {request.request_id!r} holds token ids outside the model's vocabulary "
+                             f"[0, {self.vocab_size})")
+        params = request.params
+        if params.temperature > 0 and (params.top_k > 0 or params.top_p < 1):
+            raise ValueError(f"request {request.request_id!r} sets top_k={params.top_k} / top_p={params.top_p}: vLLM "
+                             "reports the log-probs of the filtered distribution, not the temperature-scaled one a "
+                             "trainer recomputes; use the hf engine for filtered sampling")
+        stop = params.stop_token_ids if params.stop_token_ids is not None else (self.eos_token_id,)
+        if request.prefix_response_ids and request.prefix_response_ids[-1] in stop:
+            raise ValueError(f"request {request.request_id!r} resumes a response that ends with a stop token: it is "
+                             "finished")
+        sequence = _Sequence(request, loop.create_future())
+        self._in_flight[request.request_id] = sequence
+        self._to_add.append(sequence)
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(sequence.future)
+        except asyncio.CancelledError:
+            if not sequence.future.done():
+                self._cancelled.add(request.request_id)
+                self._wakeup.set()
+            raise
+
+    async def abort(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        request_ids = [i for i in dict.fromkeys(request_ids) if i in self._in_flight]
+        aborted = {}
+        for sequence in [s for s in self._to_add if s.request.request_id in request_ids]:
+            self._to_add.remove(sequence)
+            aborted[sequence.request.request_id] = sequence.result("abort", self._weight_version)
+        handed = [i for i in request_ids if i not in aborted]
+        if handed:
+            aborted.update((r.request_id, r) for r in await self._run(self._abort_in_vllm, handed))
+        results = [aborted[i] for i in request_ids]
+        for result in results:
+            self._settle(self._in_flight[result.request_id], result)
+        return results
+
+    # --- control ------------------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        self._paused = True
+        await self._run(lambda: None)  # the executor is FIFO: a step in flight has ended
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def update_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """As `Engine.update_weights`. All buckets go to vLLM in one `reload_weights` call: vLLM fuses q/k/v and
+        gate/up projections and repacks each layer once its weights arrive, so a layer split across two calls would
+        be processed half-loaded. Running requests are preempted and recompute their KV cache with the new weights
+        (vLLM's prefix cache is reset, so no request reuses a prefix the old weights computed)."""
+        if version < self._weight_version:
+            raise ValueError(f"weight version {version} is older than the engine's {self._weight_version}; versions "
+                             "only go up")
+        await self._run(self._load_weights, buckets, version)
+
+    async def sleep(self) -> None:
+        """On a GPU, vLLM's sleep level 1: weights to CPU memory, KV cache freed. On CPU vLLM has no sleep mode, so
+        nothing is released (a no-op but for holding steps until `wake_up`)."""
+        if self._in_flight:
+            raise RuntimeError(f"{len(self._in_flight)} requests are in flight; abort them (or let them finish) "
+                               "before sleep()")
+        self._sleeping = True
+        if self._sleep_supported:
+            await self._run(self._engine.sleep, 1)
+
+    async def wake_up(self) -> None:
+        if self._sleeping and self._sleep_supported:
+            await self._run(self._engine.wake_up)
+        self._sleeping = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def health(self) -> EngineHealth:
+        num_running, num_waiting = (0, 0) if self._error is not None else await self._run(self._request_counts)
+        return EngineHealth(self._error is None, num_running, num_waiting + len(self._to_add), self._paused,
+                            self._sleeping, self._weight_version, None if self._error is None else repr(self._error))
+
+    # --- the scheduler (event loop) -----------------------------------------------------------------
+
+    def _ensure_scheduler(self) -> asyncio.AbstractEventLoop:
+        if self._error is not None:
+            raise RuntimeError(f"the vllm engine stopped after a failed step: {self._error!r}") from self._error
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._in_flight:
+                raise RuntimeError("requests are in flight on another event loop; an engine serves one loop at a time")
+            self._loop, self._wakeup = loop, asyncio.Event()
+            self._scheduler = loop.create_task(self._schedule())
+        return loop
+
+    async def _run(self, fn, *args):
+        """`fn(*args)` in the executor, after any step in flight."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _schedule(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while not (self._paused or self._sleeping) and (self._in_flight or self._cancelled):
+                cancelled, self._cancelled = self._cancelled, set()
+                for sequence in [s for s in self._to_add if s.request.request_id in cancelled]:
+                    self._to_add.remove(sequence)
+                    self._settle(sequence, sequence.result("abort", self._weight_version))
+                new, self._to_add = self._to_add, []
+                try:
+                    finished = await self._run(self._step, new, cancelled & set(self._in_flight))
+                except Exception as error:  # a failed step: every waiting caller gets the error
+                    self._fail(error)
+                    return
+                for result in finished:
+                    self._settle(self._in_flight[result.request_id], result)
+
+    def _settle(self, sequence: _Sequence, result: GenerationResult) -> None:
+        del self._in_flight[sequence.request.request_id]
+        if not sequence.future.done():
+            sequence.future.set_result(result)
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        for sequence in self._in_flight.values():
+            if not sequence.future.done():
+                sequence.future.set_exception(RuntimeError(f"the vllm engine's step failed: {error!r}"))
+        self._in_flight.clear()
+        self._to_add.clear()
+
+    # --- the executor's work ------------------------------------------------------------------------
+
+    def _sampling_params(self, request: GenerationRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = request.params
+        greedy = params.temperature == 0
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
+        return SamplingParams(
+            temperature=params.temperature, seed=None if greedy else seed,
+            max_tokens=params.max_new_tokens - len(request.prefix_response_ids),
+            # Explicit stop ids instead of vLLM's eos handling: the protocol's stop set replaces the eos.
+            ignore_eos=True, stop_token_ids=list(params.stop_token_ids if params.stop_token_ids is not None
+                                                 else (self.eos_token_id,)),
+            logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    def _step(self, new: list[_Sequence], cancelled: set[str]) -> list[GenerationResult]:
+        """Hand `new` to vLLM, drop `cancelled`, run one engine step and record its tokens."""
+        finished = self._abort_in_vllm(list(cancelled)) if cancelled else []
+        for sequence in new:
+            request = sequence.request
+            self._engine.add_request(request.request_id,
+                                     {"prompt_token_ids": [*request.prompt_ids, *request.prefix_response_ids]},
+                                     self._sampling_params(request))
+        if not self._engine.has_unfinished_requests():
+            return finished
+        version = self._weight_version  # the weights of this step's forward pass
+        for output in self._engine.step():
+            sequence = self._in_flight[output.request_id]
+            completion = output.outputs[0]
+            sequence.response_ids += completion.token_ids
+            sequence.log_probs += [completion.logprobs[i][token].logprob
+                                   for i, token in enumerate(completion.token_ids)]
+            sequence.weight_versions += [version] * len(completion.token_ids)
+            if output.finished:
+                finished.append(sequence.result(_FINISH_REASONS[completion.finish_reason], version))
+        return finished
+
+    def _abort_in_vllm(self, request_ids: list[str]) -> list[GenerationResult]:
+        self._engine.abort_request(request_ids)
+        return [self._in_flight[i].result("abort", self._weight_version) for i in request_ids]
+
+    def _load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": self._weights(buckets)})
+        # Preempted running requests recompute their KV cache with the new weights at the next step.
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+        self._weight_version = version
+
+    def _weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buckets' (HF name, tensor) pairs. With tied embeddings vLLM keeps a separate LM head copy, which a
+        new `model.embed_tokens.weight` alone leaves stale, so the embedding is sent as `lm_head.weight` too."""
+        sent_head = False
+        embedding = None
+        for name, tensor in chain.from_iterable(bucket.items() for bucket in buckets):
+            sent_head |= name == "lm_head.weight"
+            if name == "model.embed_tokens.weight":
+                embedding = tensor
+            yield name, tensor
+        if self.tie_word_embeddings and embedding is not None and not sent_head:
+            yield "lm_head.weight", embedding
+
+    def _request_counts(self) -> tuple[int, int]:
+        # The in-process client's engine core: vLLM has no public accessor for its scheduler's queue lengths.
+        return self._engine.engine_core.engine_core.scheduler.get_request_counts()
