@@ -260,3 +260,22 @@ def test_weights_updated_mid_request_apply_to_its_next_tokens(engine, strategy, 
     tail = dataclasses.replace(result, response_ids=result.response_ids[num_old:], log_probs=result.log_probs[num_old:],
                                weight_versions=result.weight_versions[num_old:])
     assert_same(tail, continuation)
+
+
+def test_a_cancelled_generate_call_leaves_the_engine(engine, strategy, prompt_ids):
+    """A caller that cancels its `generate` call frees the request's place: vLLM stops it, and the engine serves on."""
+    params = dataclasses.replace(GREEDY, max_new_tokens=200)
+
+    async def run():
+        task = asyncio.create_task(engine.generate(GenerationRequest("dropped", prompt_ids[4], params)))
+        await asyncio.sleep(0)
+        await after_tokens(engine, 4)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        result = await engine.generate(GenerationRequest("next", prompt_ids[0], GREEDY))
+        return await engine.health(), result
+
+    health, result = asyncio.run(run())
+    assert health.num_running == 0 and health.num_waiting == 0 and health.healthy
+    assert_same(result, batch_generate(strategy, [prompt_ids[0]], GREEDY)[0])

@@ -74,7 +74,9 @@ class VLLMEngine:
         forward to ~1e-6 on CPU; bf16 is slower on AVX2 CPUs and its log-probs differ by ~1e-2).
     kv_cache_memory_bytes: the KV cache's size (on CPU, `VLLM_CPU_KVCACHE_SPACE` overrides it). max_num_seqs:
         requests in the running batch at most; more wait inside vLLM.
-    engine_kwargs: more `vllm.EngineArgs` fields (e.g. `max_model_len`, `gpu_memory_utilization`).
+    engine_kwargs: more `vllm.EngineArgs` fields (e.g. `max_model_len`, `gpu_memory_utilization`). The "uni"
+        executor runs one device in this process; `tensor_parallel_size` > 1 on GPU needs
+        `distributed_executor_backend="mp"` (not tested here: no GPU).
     """
 
     def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32",
