@@ -66,12 +66,12 @@ def batch_generate(strategy: HFStrategy, prompts: list[list[int]], params: Sampl
     return rows
 
 
-def hf_log_probs(strategy: HFStrategy, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """log p(response token) under an HF forward of prompt + response, at `temperature` (0: greedy, reported at 1)."""
-    with torch.no_grad():
-        logits = strategy.hf_model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
-    log_probs = torch.log_softmax(logits / (temperature or 1.0), -1)
-    return log_probs.gather(-1, torch.tensor(response)[:, None])[:, 0]
+def actor_log_probs(strategy: HFStrategy, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log p(response token) as an actor recomputes them (`HFStrategy.forward` at the sampling temperature)."""
+    sequence = torch.tensor([prompt + response])
+    batch = DataProto.from_dict({"input_ids": sequence, "attention_mask": torch.ones_like(sequence),
+                                 "responses": torch.tensor([response])})
+    return strategy.forward(batch, temperature=temperature).batch["log_probs"][0]
 
 
 def assert_same(result: GenerationResult, expected: tuple) -> None:
@@ -115,8 +115,8 @@ def test_concurrent_greedy_requests_equal_one_batch_call(engine, strategy, promp
 
 
 def test_sampled_log_probs_match_an_hf_forward_at_the_temperature(engine, strategy, prompt_ids):
-    """Sampled tokens' log-probs are those of the temperature-scaled distribution an actor recomputes, and a seeded
-    request gives the same sample alone as in a crowd."""
+    """Sampled tokens' log-probs are those an actor recomputes at the sampling temperature (float32: within 1e-4),
+    and a seeded request gives the same sample alone as in a crowd."""
     params = [SamplingParams(temperature=t, max_new_tokens=16, stop_token_ids=(NEVER,), seed=7 + i)
               for i, t in enumerate([0.7, 1.0, 1.3, 1.0])]
     requests = [GenerationRequest(f"s{i}", prompt_ids[i], p) for i, p in enumerate(params)]
@@ -125,8 +125,8 @@ def test_sampled_log_probs_match_an_hf_forward_at_the_temperature(engine, strate
     alone = [asyncio.run(engine.generate(r)) for r in requests[:2]]
     assert [r.response_ids for r in alone] == [r.response_ids for r in crowd[:2]]
     for request, result in zip(requests, crowd):
-        expected = hf_log_probs(strategy, list(request.prompt_ids), list(result.response_ids),
-                                request.params.temperature)
+        expected = actor_log_probs(strategy, list(request.prompt_ids), list(result.response_ids),
+                                   request.params.temperature)
         assert (torch.tensor(result.log_probs) - expected).abs().max().item() <= LOG_PROB_ATOL
 
 
