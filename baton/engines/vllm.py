@@ -7,8 +7,9 @@ change to the engine (abort, weights, pause) runs between two steps.
 
 Why `LLMEngine` in this process, not vLLM's `AsyncLLM`: in vLLM 0.32 `AsyncLLM` always spawns a separate
 engine-core process ("Running EngineCore in asyncio without multiprocessing is not currently supported"); a
-spawned child runs the parent's `__main__` again (a script without a main guard fails), its idle loop keeps
-polling beside the trainer, and new weights would cross a socket. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and
+spawned child runs the parent's `__main__` again (a script without a main guard fails), it took 41 s to start
+here, an idle child kept polling (~20% of a core), and `reload_weights` failed across the process boundary (the
+tensors arrived as lists). With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and
 the "uni" executor, scheduler and model live in this process: it starts in seconds, fits a 1-CPU Ray actor, and
 `update_weights` hands vLLM the tensors themselves.
 
