@@ -20,6 +20,7 @@ STRATEGIES: dict[str, str] = {
     "hf": "baton.strategy.hf:HFStrategy",
     "fsdp2": "baton.strategy.fsdp2:Fsdp2Strategy",
     "mock": "baton.strategy.mock:MockStrategy",
+    "vllm": "baton.strategy.vllm:VLLMStrategy",  # a rollout only; needs vLLM (scripts/setup.sh --vllm)
 }
 
 

@@ -1,0 +1,220 @@
+"""The `vllm` strategy: a rollout on vLLM. The batch `generate` of today's pipelines over the `vllm` engine, one request
+per sample, and the log-probs of given responses (the sync probe) through vLLM's prompt log-probs.
+
+A rollout is asked for what `RolloutWorker` and `ModelWorker` call on it: `generate`, `forward` (through
+`compute_log_probs`: the weight-sync probe), `import_weights` (the sync), `offload` / `reload`, and the sampling
+generator's state (`generator`, for exact resume). vLLM trains nothing and its weights come from the actor, so
+`train_step`, `export_weights`, `save_checkpoint`, `load_checkpoint` and `share_weights_from` do not exist here;
+a call to one raises an AttributeError that says where to do it instead (the config checks refuse `vllm` for the
+actor, critic and reference roles before any worker starts).
+
+Import this module anywhere; vLLM itself is imported when a `VLLMStrategy` is built (`scripts/setup.sh --vllm`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import itertools
+import weakref
+from typing import Iterable
+
+import torch
+
+from baton.data import DataProto
+from baton.models import load_tokenizer
+from baton.strategy.base import SamplingParams, StrategyConfig
+from baton.strategy.sampling import generation_output
+
+INSTALL_HINT = "install it with scripts/setup.sh --vllm"
+
+# What a rollout on vLLM does not do, and where it is done instead.
+_ELSEWHERE = {
+    "train_step": "vLLM only generates; train with strategy 'hf' or 'fsdp2' (the actor)",
+    "export_weights": "a rollout's weights are the actor's; export them from the actor",
+    "save_checkpoint": "a rollout's weights are the actor's; the pipelines checkpoint the actor",
+    "load_checkpoint": "start the rollout from a checkpoint with strategy.model: <its directory>",
+    "share_weights_from": "vLLM holds its own copy of the weights; the weight sync copies them (export_weights -> "
+                          "import_weights), colocated or not",
+}
+
+
+def require_vllm() -> None:
+    """Raise ImportError, with the install command, where vLLM is not installed (without importing it)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"the 'vllm' strategy needs vLLM, which is not installed; {INSTALL_HINT}")
+
+
+class VLLMStrategy:
+    """A rollout on a `VLLMEngine` (vLLM in this process; see `baton.engines.vllm`).
+
+    generate: one engine request per sample (`params.n` consecutive rows per prompt), all in flight at once, so vLLM
+        batches them continuously; results are gathered in row order into the generate() layout (`baton.strategy.
+        base`) by `generation_output`, as the hf strategy's. Request `k` of a call samples with its own seed: the
+        k-th draw of a generator seeded with `params.seed`, or of `self.generator` (seeded by `config.seed`, saved
+        with checkpoints by the rollout worker) when `params.seed` is None. top-k / top-p with temperature > 0 are
+        refused by the engine (vLLM reports the filtered distribution's log-probs).
+    forward: log p(response token) at `temperature` from vLLM's prompt log-probs of prompt + response (float32
+        matches an HF forward to ~1e-6). vLLM applies no temperature to prompt log-probs, so a temperature other
+        than 0 or 1 asks for the whole vocabulary's log-probs at each token and rescales them (vocabulary-size
+        Python objects per token: cheap on small vocabularies, slow on 150k ones). No entropy (only training uses it).
+    import_weights: all buckets in one in-place reload (`VLLMEngine.update_weights`: the tied LM head is sent too,
+        running requests recompute their KV cache); each import is a new weight version.
+    offload / reload: vLLM's sleep / wake-up; on CPU vLLM has no sleep mode and both free nothing.
+    engine_kwargs: passed to `VLLMEngine.from_config` (e.g. `kv_cache_memory_bytes`, `max_num_seqs`).
+    """
+
+    def __init__(self, config: StrategyConfig, **engine_kwargs):
+        require_vllm()
+        from baton.engines.vllm import VLLMEngine
+
+        if config.kind != "causal_lm":
+            raise ValueError(f"the 'vllm' strategy generates with a causal LM; strategy.kind is {config.kind!r}")
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        # max_logprobs -1: forward at a temperature other than 1 needs the whole vocabulary's prompt log-probs.
+        self.engine = VLLMEngine.from_config(config, **{"max_logprobs": -1, **engine_kwargs})
+        self.generator = torch.Generator().manual_seed(config.seed)  # per-request seeds when params.seed is None
+        # One event loop for every call: the engine's scheduler task lives on it between calls.
+        self._loop = asyncio.new_event_loop()
+        self._request_ids = itertools.count()
+        self._sleeping = False
+        self._close = weakref.finalize(self, _close_engine, self._loop, self.engine)
+        # At interpreter exit the engine's executor has already shut down, and the process frees everything.
+        self._close.atexit = False
+
+    def __getattr__(self, name: str):
+        if name in _ELSEWHERE:
+            raise AttributeError(f"the 'vllm' strategy has no {name}: {_ELSEWHERE[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def close(self) -> None:
+        """Stop the engine and free its memory (and a checkpoint it wrote); the strategy serves nothing after."""
+        self._close()
+
+    # --- generation ---------------------------------------------------------------------------------
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        from baton.engines.protocol import GenerationRequest
+
+        self._check_awake("generate")
+        input_ids, attention_mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu()
+        if len(prompts) and bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError("generate needs LEFT-padded prompts (the last column must be real tokens); "
+                             "tokenize with padding_side='left'")
+        num_rows = len(prompts) * params.n
+        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        seeds = torch.randint(0, 2**62, (num_rows,), generator=generator).tolist()
+        call = next(self._request_ids)
+        requests = [
+            GenerationRequest(f"generate-{call}-{row}", input_ids[row // params.n][attention_mask[row // params.n].bool()].tolist(),
+                              dataclasses.replace(params, n=1, seed=seed))
+            for row, seed in enumerate(seeds)
+        ]
+        results = self._loop.run_until_complete(self._generate_all(requests))
+        if any(result.finish_reason == "abort" for result in results):
+            raise RuntimeError("the vllm engine aborted requests of a generate call (was it closed?)")
+        response_len = max((len(result.response_ids) for result in results), default=0)
+        responses = torch.full((num_rows, response_len), self.tokenizer.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros(num_rows, response_len, dtype=torch.long)
+        log_probs = torch.zeros(num_rows, response_len, dtype=torch.float32)
+        for row, result in enumerate(results):
+            length = len(result.response_ids)
+            responses[row, :length] = torch.tensor(result.response_ids, dtype=torch.long)
+            response_mask[row, :length] = 1
+            log_probs[row, :length] = torch.tensor(result.log_probs, dtype=torch.float32)
+        stopped = torch.tensor([result.finish_reason == "stop" for result in results], dtype=torch.bool)
+        return generation_output(prompts, params, responses, response_mask, log_probs, stopped)
+
+    async def _generate_all(self, requests: list) -> list:
+        return await asyncio.gather(*(self.engine.generate(request) for request in requests))
+
+    # --- log-probs of given responses ---------------------------------------------------------------
+
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        """log_probs [rows, response_len] of `responses` after the prompt part of `input_ids` (real tokens: where
+        attention_mask is 1; responses right-padded), 0 on response padding."""
+        self._check_awake("forward")
+        input_ids, attention_mask = batch.batch["input_ids"].cpu(), batch.batch["attention_mask"].cpu()
+        responses = batch.batch["responses"].cpu()
+        response_len = responses.shape[1]
+        response_mask = attention_mask[:, input_ids.shape[1] - response_len:]  # [rows, response_len]
+        lengths = response_mask.sum(-1)
+        if bool((response_mask != (torch.arange(response_len) < lengths[:, None])).any()):
+            raise ValueError("forward needs right-padded responses: attention_mask over the response columns must be "
+                             "1s then 0s")
+        if bool((attention_mask[:, : input_ids.shape[1] - response_len].sum(-1) == 0).any()):
+            raise ValueError("forward needs at least one prompt token per row: the first response token is scored "
+                             "given the tokens before it")
+        sequences = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+        greedy_or_one = temperature in (0.0, 1.0)  # greedy samples report temperature-1 log-probs
+        per_row = self._loop.run_until_complete(self.engine._run(
+            self._prompt_log_probs, sequences, lengths.tolist(), None if greedy_or_one else temperature))
+        log_probs = torch.zeros(len(batch), response_len, dtype=torch.float32)
+        for row, values in enumerate(per_row):
+            log_probs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        return DataProto.from_dict({"log_probs": log_probs})
+
+    def _prompt_log_probs(self, sequences: list[list[int]], num_scored: list[int],
+                          temperature: float | None) -> list[list[float]]:
+        """In the engine's thread, between its steps: log p(token | tokens before) of each sequence's last
+        `num_scored` tokens, at `temperature` (None: 1). vLLM's prompt log-probs are a log-softmax of the raw logits;
+        at another temperature the whole vocabulary's are rescaled: log_softmax(raw / T)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self.engine._engine  # the Engine protocol has no scoring: the scoring requests go to vLLM directly
+        assert not llm.has_unfinished_requests(), "generate and forward calls do not overlap"
+        params = VLLMSamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                    prompt_logprobs=0 if temperature is None else -1,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+        call = next(self._request_ids)
+        request_ids = [f"score-{call}-{row}" for row in range(len(sequences))]
+        for request_id, sequence in zip(request_ids, sequences):
+            llm.add_request(request_id, {"prompt_token_ids": sequence}, params)
+        prompt_log_probs = {}
+        while llm.has_unfinished_requests():
+            for output in llm.step():
+                if output.prompt_logprobs is not None:
+                    prompt_log_probs[output.request_id] = output.prompt_logprobs
+        values = []
+        for request_id, sequence, count in zip(request_ids, sequences, num_scored):
+            positions = prompt_log_probs[request_id][len(sequence) - count:]  # [count] dicts {token id: Logprob}
+            tokens = sequence[len(sequence) - count:]
+            if temperature is None:
+                values.append([position[token].logprob for position, token in zip(positions, tokens)])
+                continue
+            row = []
+            for position, token in zip(positions, tokens):
+                ids = list(position)
+                scaled = torch.tensor([position[i].logprob for i in ids], dtype=torch.float64) / temperature
+                row.append(float(scaled[ids.index(token)] - torch.logsumexp(scaled, 0)))
+            values.append(row)
+        return values
+
+    # --- weights and memory -------------------------------------------------------------------------
+
+    def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Every bucket in one in-place reload (see `VLLMEngine.update_weights`), as weight version + 1."""
+        self._check_awake("import_weights")
+        self._loop.run_until_complete(self.engine.update_weights(buckets, self.engine.weight_version + 1))
+
+    def offload(self) -> None:
+        """vLLM's sleep (weights to CPU memory, KV cache freed) on a GPU; on CPU it frees nothing. Until `reload`,
+        generate, forward and import_weights refuse."""
+        self._loop.run_until_complete(self.engine.sleep())
+        self._sleeping = True
+
+    def reload(self) -> None:
+        self._loop.run_until_complete(self.engine.wake_up())
+        self._sleeping = False
+
+    def _check_awake(self, method: str) -> None:
+        if self._sleeping:
+            raise RuntimeError(f"{method}() on an offloaded vllm rollout; call reload() first")
+
+
+def _close_engine(loop: asyncio.AbstractEventLoop, engine) -> None:
+    loop.run_until_complete(engine.close())
+    loop.close()
