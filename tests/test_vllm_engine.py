@@ -1,25 +1,42 @@
 """The `vllm` engine on CPU: concurrent requests against HF's batch path, log-probs against an HF forward, weights in
-place, abort and resume, pause, stop tokens and health, on tiny-qwen2 (float32).
+place, abort and resume, pause, stop tokens and health, on tiny-qwen2 (float32). The `vllm` strategy (a rollout over
+the engine): the generate() layout, forward against HF, weights from hf and fsdp2 actors, the config checks, and the
+demo's GRPO stage with a vLLM rollout (examples/vllm_grpo.yaml).
 
-Needs vLLM (`scripts/setup.sh --vllm`); the module skips without it.
+Needs vLLM (`scripts/setup.sh --vllm`); without it these tests skip, but for the ones that check the refusals and
+the install hint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
+import os
 
+import numpy as np
 import pytest
 import torch
+import yaml
 
-pytest.importorskip("vllm", reason="vLLM is not installed; install it with scripts/setup.sh --vllm")
+from baton.cli import resolve
+from baton.config import ConfigError
+from baton.data import DataProto
+from baton.engines import Engine, GenerationRequest, GenerationResult
+from baton.engines.vllm import VLLMEngine
+from baton.models.tokenizer import CHAR_VOCAB_SIZE
+from baton.pipelines.base import run_pipeline
+from baton.pipelines.config import RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
+from baton.pipelines.preflight import check_roles
+from baton.strategy import SamplingParams, StrategyConfig, create_strategy
+from baton.strategy.hf import HFStrategy
+from baton.tracking.tracker import read_metrics
+from baton.workers.weight_sync import probe_batch
 
-from baton.data import DataProto  # noqa: E402
-from baton.engines import Engine, GenerationRequest, GenerationResult  # noqa: E402
-from baton.engines.vllm import VLLMEngine  # noqa: E402
-from baton.models.tokenizer import CHAR_VOCAB_SIZE  # noqa: E402
-from baton.strategy import SamplingParams, StrategyConfig  # noqa: E402
-from baton.strategy.hf import HFStrategy  # noqa: E402
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+SKIP_REASON = "vLLM is not installed; install it with scripts/setup.sh --vllm"
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=SKIP_REASON)
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 NEVER = CHAR_VOCAB_SIZE - 1  # '~': a stop id these prompts' greedy responses never reach (checked below)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(NEVER,))
@@ -41,6 +58,7 @@ def other_strategy() -> HFStrategy:
 def engine():
     """One engine for the module (start-up takes seconds): tiny-qwen2 with seed 0's weights, as `strategy` holds.
     A test that changes its weights puts seed 0's back before it returns."""
+    pytest.importorskip("vllm", reason=SKIP_REASON)
     engine = VLLMEngine.from_config(StrategyConfig(model="tiny-qwen2", seed=0), kv_cache_memory_bytes=64 << 20)
     yield engine
     asyncio.run(engine.close())
@@ -279,3 +297,201 @@ def test_a_cancelled_generate_call_leaves_the_engine(engine, strategy, prompt_id
     health, result = asyncio.run(run())
     assert health.num_running == 0 and health.num_waiting == 0 and health.healthy
     assert_same(result, batch_generate(strategy, [prompt_ids[0]], GREEDY)[0])
+
+
+# --- the `vllm` strategy: a rollout -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    """One vllm strategy for the module: tiny-qwen2 with seed 0's weights. A test that changes them puts them back."""
+    pytest.importorskip("vllm", reason=SKIP_REASON)
+    rollout = create_strategy(StrategyConfig(name="vllm", model="tiny-qwen2", seed=0), kv_cache_memory_bytes=64 << 20)
+    yield rollout
+    rollout.close()
+
+
+def left_padded(strategy: HFStrategy, prompts: list[str]) -> DataProto:
+    strategy.tokenizer.padding_side = "left"
+    enc = strategy.tokenizer(prompts, return_tensors="pt", padding=True)
+    return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]},
+                               {"uid": np.array([f"p{i}" for i in range(len(prompts))], dtype=object)})
+
+
+def max_diff_on_responses(ours: DataProto, theirs: DataProto, batch: DataProto) -> float:
+    mask = batch.batch["response_mask"].bool()
+    return float((ours.batch["log_probs"] - theirs.batch["log_probs"]).abs()[mask].max())
+
+
+def test_generate_gives_the_layout_with_the_actors_log_probs(rollout, strategy):
+    """n consecutive rows per prompt, right-padded responses ending at their stop token, the prompts' columns
+    repeated, the temperature recorded, and rollout_log_probs that the actor recomputes (float32: within 1e-4)."""
+    prompts = left_padded(strategy, PROMPTS[:4])
+    pad, stop = strategy.tokenizer.pad_token_id, 6  # a token these prompts' samples draw now and then
+    params = SamplingParams(temperature=0.8, max_new_tokens=20, n=3, seed=11, stop_token_ids=(stop,))
+    out = rollout.generate(prompts, params)
+    rows, width = 12, prompts.batch["input_ids"].shape[1]
+    assert out.batch["prompts"].shape == (rows, width) and out.meta_info["temperature"] == 0.8
+    assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(3, 0))
+    assert list(out.non_tensor_batch["uid"]) == [f"p{i // 3}" for i in range(rows)]
+    responses, mask = out.batch["responses"], out.batch["response_mask"]
+    assert torch.equal(out.batch["input_ids"], torch.cat([out.batch["prompts"], responses], 1))
+    lengths = mask.sum(-1)
+    assert torch.equal(mask, (torch.arange(responses.shape[1]) < lengths[:, None]).long())  # right padded
+    assert bool((responses[mask == 0] == pad).all()) and bool((out.batch["rollout_log_probs"][mask == 0] == 0).all())
+    reasons = list(out.non_tensor_batch["finish_reason"])
+    assert set(reasons) == {"stop", "length"}  # both kinds occur with this seed
+    for row, reason in enumerate(reasons):
+        last = int(responses[row, lengths[row] - 1])
+        assert (reason == "stop") == (last == stop) and (reason == "length") == (int(lengths[row]) == 20)
+    assert len({tuple(r.tolist()) for r in responses[:3]}) > 1  # a prompt's samples have their own seeds
+    recomputed = strategy.forward(out, temperature=0.8)
+    diff = (out.batch["rollout_log_probs"] - recomputed.batch["log_probs"]).abs()[mask.bool()]
+    assert float(diff.max()) <= LOG_PROB_ATOL
+    again = rollout.generate(prompts, params)
+    assert torch.equal(again.batch["responses"], responses)  # params.seed fixes every request's seed
+    other = rollout.generate(prompts, dataclasses.replace(params, seed=12))
+    assert not torch.equal(other.batch["responses"][:, :5], responses[:, :5])
+
+
+def test_unseeded_generate_draws_its_seeds_from_the_generator_it_reports(rollout, strategy):
+    """params.seed None: the request seeds come from `generator` (the rollout worker saves and restores its state)."""
+    prompts = left_padded(strategy, PROMPTS[:2])
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, stop_token_ids=(NEVER,))
+    state = rollout.generator.get_state()
+    first = rollout.generate(prompts, params).batch["responses"]
+    second = rollout.generate(prompts, params).batch["responses"]
+    rollout.generator.set_state(state)
+    assert not torch.equal(first, second)
+    assert torch.equal(rollout.generate(prompts, params).batch["responses"], first)
+
+
+def test_greedy_generate_equals_the_hf_strategy(rollout, strategy):
+    prompts = left_padded(strategy, PROMPTS)
+    ours, theirs = rollout.generate(prompts, GREEDY), strategy.generate(prompts, GREEDY)
+    assert torch.equal(ours.batch["responses"], theirs.batch["responses"])
+    assert list(ours.non_tensor_batch["finish_reason"]) == list(theirs.non_tensor_batch["finish_reason"])
+    torch.testing.assert_close(ours.batch["rollout_log_probs"], theirs.batch["rollout_log_probs"], atol=LOG_PROB_ATOL,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_forward_matches_an_hf_forward(rollout, strategy, temperature):
+    """vLLM's prompt log-probs of sampled responses (right-padded, ragged) and of a probe batch, at the temperature."""
+    sampled = strategy.generate(left_padded(strategy, PROMPTS), SamplingParams(
+        temperature=temperature, max_new_tokens=16, n=2, seed=3, stop_token_ids=(6,)))
+    assert sampled.batch["response_mask"].sum(-1).unique().numel() > 1  # ragged responses
+    ours = rollout.forward(sampled, temperature)
+    assert max_diff_on_responses(ours, strategy.forward(sampled, temperature), sampled) <= LOG_PROB_ATOL
+    assert bool((ours.batch["log_probs"][sampled.batch["response_mask"] == 0] == 0).all())
+    probe = probe_batch(strategy.tokenizer, ["1+2=3", "hello there", "x=1"], 2)
+    assert max_diff_on_responses(rollout.forward(probe, temperature), strategy.forward(probe, temperature),
+                                 probe) <= LOG_PROB_ATOL
+
+
+def test_weights_from_hf_and_fsdp2_actors_pass_the_sync_probe(rollout, strategy, other_strategy):
+    """export_weights -> import_weights from an hf and an fsdp2 actor (other weights: seeds 1 and 2): the probe's log-probs
+    agree at the float32 tolerance, and the rollout generates the new weights' greedy tokens."""
+    from baton.strategy.fsdp2 import Fsdp2Strategy
+
+    probe = probe_batch(strategy.tokenizer, ["1+2=3", "hello there", "abc"], 2)
+    prompts = left_padded(strategy, PROMPTS)
+    hf_seed_2 = HFStrategy(StrategyConfig(model="tiny-qwen2", seed=2))  # generates what the fsdp2 actor holds
+    try:
+        for actor, reference in ((other_strategy, other_strategy),
+                                 (Fsdp2Strategy(StrategyConfig(name="fsdp2", model="tiny-qwen2", seed=2)), hf_seed_2)):
+            assert max_diff_on_responses(rollout.forward(probe), actor.forward(probe), probe) > 0.1
+            rollout.import_weights(actor.export_weights(bucket_bytes=64 << 10))  # layers split across buckets
+            assert max_diff_on_responses(rollout.forward(probe), actor.forward(probe), probe) <= 1e-4
+            assert torch.equal(rollout.generate(prompts, GREEDY).batch["responses"],
+                               reference.generate(prompts, GREEDY).batch["responses"])
+    finally:
+        rollout.import_weights(strategy.export_weights())
+    assert max_diff_on_responses(rollout.forward(probe), strategy.forward(probe), probe) <= 1e-4
+
+
+def test_what_a_rollout_does_not_do_says_where_to_do_it(rollout, strategy):
+    for name, where in [("export_weights", "from the actor"), ("save_checkpoint", "checkpoint the actor"),
+                        ("train_step", "'hf' or 'fsdp2'"), ("share_weights_from", "copies them")]:
+        with pytest.raises(AttributeError, match=where):
+            getattr(rollout, name)
+    assert not hasattr(rollout, "no_such_method")
+    prompts = left_padded(strategy, PROMPTS[:1])
+    rollout.offload()  # vLLM's sleep: on CPU nothing is freed
+    try:
+        with pytest.raises(RuntimeError, match="reload"):
+            rollout.generate(prompts, GREEDY)
+    finally:
+        rollout.reload()
+    assert torch.equal(rollout.generate(prompts, GREEDY).batch["responses"],
+                       strategy.generate(prompts, GREEDY).batch["responses"])
+
+
+# --- the name `vllm` in configs --------------------------------------------------------------------------
+
+
+def vllm_rlvr(**roles) -> RLVRConfig:
+    return RLVRConfig(**{"rollout": RoleConfig(strategy=StrategyConfig(name="vllm")), **roles},
+                      trainer=TrainerConfig(backend="local"))
+
+
+@pytest.mark.parametrize("role", ["actor", "reference", "critic"])
+def test_vllm_is_refused_for_roles_other_than_the_rollout(role):
+    kind = "value" if role == "critic" else "causal_lm"
+    config = vllm_rlvr(**{role: RoleConfig(strategy=StrategyConfig(name="vllm", kind=kind))})
+    with pytest.raises(ConfigError, match=f"{role}.strategy.name is 'vllm', an inference engine.*{role}.strategy.name=hf"):
+        check_roles(config, config.trainer)
+
+
+def test_vllm_refuses_top_k_and_top_p_sampling():
+    for sampling in (SamplingConfig(top_k=5), SamplingConfig(top_p=0.9)):
+        with pytest.raises(ConfigError, match="sampling.top_k=0 and sampling.top_p=1.0"):
+            dataclasses.replace(vllm_rlvr(), sampling=sampling).check()
+    dataclasses.replace(vllm_rlvr(), sampling=SamplingConfig(temperature=0.0, top_k=5)).check()  # greedy: no filter
+    RLVRConfig(sampling=SamplingConfig(top_k=5)).check()  # the hf rollout filters
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is not installed")
+def test_without_vllm_the_name_says_how_to_install_it():
+    with pytest.raises(ImportError, match="scripts/setup.sh --vllm"):
+        create_strategy(StrategyConfig(name="vllm"))
+    config = vllm_rlvr()
+    with pytest.raises(ConfigError, match="rollout.strategy.name: .*scripts/setup.sh --vllm"):
+        check_roles(config, config.trainer)
+
+
+@needs_vllm
+def test_with_vllm_a_vllm_rollout_passes_the_checks():
+    config = vllm_rlvr()
+    config.check()
+    check_roles(config, config.trainer)
+
+
+# --- examples/vllm_grpo.yaml ----------------------------------------------------------------------------
+
+# As tests/test_pipeline_paths.py's TWO_STEP_DEMO, for 3 steps, with 2 epochs: the old log-prob pass logs
+# rollout/logprob_diff, the gap between the vLLM rollout's log-probs and the actor's.
+THREE_STEP_DEMO = ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=3", "data.max_operand=9",
+                   "data.num_val_examples=4", "rlvr.sampling.num_samples_per_prompt=2", "rlvr.algorithm.num_ppo_epochs=2",
+                   *[f"{stage}.trainer.{key}" for stage in ("sft", "rlvr")
+                     for key in ("backend=local", "progress_bar=false", "num_prompts_per_step=4")]]
+
+
+@needs_vllm
+@pytest.mark.parametrize("actor", ["hf", "fsdp2"])
+def test_the_vllm_grpo_example_runs_with_the_actors_log_probs(tmp_path, actor):
+    """The demo's GRPO stage with a vLLM rollout: every step syncs (the probe raises above 1e-4) and the rollout's
+    log-probs of its samples are the actor's within 1e-4 (float32)."""
+    pipeline_cls, config = resolve(os.path.join(EXAMPLES, "vllm_grpo.yaml"),
+                                   [*THREE_STEP_DEMO, f"rlvr.actor.strategy.name={actor}", f"run_dir={tmp_path}"])
+    summary = run_pipeline(pipeline_cls, config)
+    assert summary["rlvr"]["num_steps"] == 3
+    ran = yaml.safe_load(open(tmp_path / "rlvr" / "config.yaml"))
+    assert ran["rollout"]["strategy"]["name"] == "vllm" and ran["actor"]["strategy"]["name"] == actor
+    assert ran["colocate_actor_rollout"] is False
+    records = [r for r in read_metrics(str(tmp_path / "rlvr" / "metrics.jsonl")) if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert "timing_s/sync" in record  # synced, and the probe passed (WeightSyncError otherwise)
+        assert 0 < record["rollout/logprob_diff/max"] <= 1e-4, record
+        assert record["actor/grad_norm"] >= 0  # the exact-match reward may give these few samples no signal

@@ -324,6 +324,9 @@ class RLVRConfig:
                 None, self.actor.num_threads_per_worker):
             raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run "
                               "actor.num_threads_per_worker threads: set it there and leave rollout's unset")
+        if self.rollout.strategy.name == "vllm":
+            _check_vllm_sampling(self.sampling, "sampling")
+            _check_vllm_sampling(self.val_sampling, "val_sampling")
         _check_reward_fn(self.reward_fn, self.reward_on_error)
         buffer, max_new_tokens = self.overlong_buffer.len, self.sampling.max_new_tokens
         if buffer and buffer >= max_new_tokens:
@@ -375,6 +378,15 @@ def _check_data(data: DataConfig | None) -> None:
 def _check_choice(key: str, value: str, valid) -> None:
     if value not in valid:
         raise ConfigError(f"{key} {value!r} is not one of {sorted(valid)}")
+
+
+def _check_vllm_sampling(sampling: SamplingConfig, key: str) -> None:
+    """vLLM reports the log-probs of the top-k / top-p filtered distribution, not the temperature-scaled one the
+    actor recomputes (and the `vllm` engine refuses such requests): refuse the filters before any worker starts."""
+    if sampling.temperature > 0 and (sampling.top_k > 0 or sampling.top_p < 1):
+        raise ConfigError(f"{key}.top_k={sampling.top_k} / {key}.top_p={sampling.top_p} with rollout.strategy.name "
+                          "vllm: vLLM's log-probs would be the filtered distribution's, which the actor does not "
+                          f"recompute; set {key}.top_k=0 and {key}.top_p=1.0, or use rollout.strategy.name=hf")
 
 
 def _check_reward_components(algo: AlgorithmConfig) -> None:

@@ -16,12 +16,21 @@ from baton.pipelines.config import MODEL_ROLES, RoleConfig, TrainerConfig, Worke
 from baton.strategy import StrategyConfig, strategy_class
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
+INFERENCE_STRATEGIES = ("vllm",)  # generate and take weights only: the rollout role's
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def check_roles(config, trainer: TrainerConfig) -> None:
     """Raise ConfigError for a role whose strategy or model cannot load, or a layout the machine cannot hold."""
-    for name, role in model_roles(config).items():
+    roles = model_roles(config)
+    for name, role in roles.items():  # before the strategies load: a role given an engine is a mistake either way
+        if role.strategy.name in INFERENCE_STRATEGIES and name != "rollout":
+            raise ConfigError(
+                f"{name}.strategy.name is {role.strategy.name!r}, an inference engine: it generates and takes the "
+                f"actor's weights, but trains nothing, exports no weights and saves no checkpoints, so it serves the "
+                f"rollout role only; use {name}.strategy.name=hf (or fsdp2) and keep {role.strategy.name!r} for "
+                "rollout.strategy.name")
+    for name, role in roles.items():
         check_strategy(f"{name}.strategy", role.strategy)
         workers = role.num_workers(name)
         if name in TRAINING_ROLES and role.strategy.name == "hf" and workers > 1:
@@ -44,6 +53,13 @@ def check_strategy(key: str, strategy: StrategyConfig) -> None:
         strategy_class(strategy.name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{key}.name: {e}") from e
+    if strategy.name == "vllm":  # its module imports without vLLM, which the strategy needs once built
+        from baton.strategy.vllm import require_vllm
+
+        try:
+            require_vllm()
+        except ImportError as e:
+            raise ConfigError(f"{key}.name: {e}") from e
     model = strategy.model
     if isinstance(model, dict):
         try:
