@@ -478,12 +478,15 @@ THREE_STEP_DEMO = ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=3", "data.
 
 
 @needs_vllm
-@pytest.mark.parametrize("actor", ["hf", "fsdp2"])
-def test_the_vllm_grpo_example_runs_with_the_actors_log_probs(tmp_path, actor):
-    """The demo's GRPO stage with a vLLM rollout: every step syncs (the probe raises above 1e-4) and the rollout's
-    log-probs of its samples are the actor's within 1e-4 (float32)."""
+@pytest.mark.parametrize("actor, backend", [("hf", "local"), ("fsdp2", "local"), ("hf", "ray")])
+def test_the_vllm_grpo_example_runs_with_the_actors_log_probs(tmp_path, request, actor, backend):
+    """The demo's GRPO stage with a vLLM rollout, in the driver's process or in a Ray worker of its own: every step
+    syncs (the probe raises above 1e-4) and the rollout's log-probs of its samples are the actor's within 1e-4."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     pipeline_cls, config = resolve(os.path.join(EXAMPLES, "vllm_grpo.yaml"),
-                                   [*THREE_STEP_DEMO, f"rlvr.actor.strategy.name={actor}", f"run_dir={tmp_path}"])
+                                   [*THREE_STEP_DEMO, f"rlvr.actor.strategy.name={actor}", f"rlvr.trainer.backend={backend}",
+                                    f"run_dir={tmp_path}"])
     summary = run_pipeline(pipeline_cls, config)
     assert summary["rlvr"]["num_steps"] == 3
     ran = yaml.safe_load(open(tmp_path / "rlvr" / "config.yaml"))

@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import importlib.util
 import itertools
-import weakref
 from typing import Iterable
 
 import torch
@@ -80,9 +79,6 @@ class VLLMStrategy:
         self._loop = asyncio.new_event_loop()
         self._request_ids = itertools.count()
         self._sleeping = False
-        self._close = weakref.finalize(self, _close_engine, self._loop, self.engine)
-        # At interpreter exit the engine's executor has already shut down, and the process frees everything.
-        self._close.atexit = False
 
     def __getattr__(self, name: str):
         if name in _ELSEWHERE:
@@ -90,8 +86,11 @@ class VLLMStrategy:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def close(self) -> None:
-        """Stop the engine and free its memory (and a checkpoint it wrote); the strategy serves nothing after."""
-        self._close()
+        """Stop the engine and free its memory (and a checkpoint it wrote); the strategy serves nothing after. A
+        strategy never closed (a worker's, whose process ends with the run) is freed by the process's exit."""
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.close())
+            self._loop.close()
 
     # --- generation ---------------------------------------------------------------------------------
 
@@ -214,7 +213,3 @@ class VLLMStrategy:
         if self._sleeping:
             raise RuntimeError(f"{method}() on an offloaded vllm rollout; call reload() first")
 
-
-def _close_engine(loop: asyncio.AbstractEventLoop, engine) -> None:
-    loop.run_until_complete(engine.close())
-    loop.close()
