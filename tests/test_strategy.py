@@ -510,8 +510,8 @@ def test_mock_generate_is_deterministic_and_consistent(prompts):
 
 
 def test_factory_names_and_import_paths():
-    with pytest.raises(ValueError, match=r"\['fsdp2', 'hf', 'mock'\]"):
-        strategy_class("vllm")
+    with pytest.raises(ValueError, match=r"\['fsdp2', 'hf', 'mock', 'vllm'\]"):
+        strategy_class("sglang")
     assert strategy_class("baton.strategy.mock:MockStrategy") is MockStrategy
     created = create_strategy(StrategyConfig(name="baton.strategy.mock:MockStrategy"))
     assert isinstance(created, MockStrategy)
