@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -217,6 +218,10 @@ def test_every_example_config_loads_and_passes_its_checks(name):
     pipeline_cls, config = resolve(os.path.join(EXAMPLES, name), [])
     if name.startswith("gpu_"):  # its model and data paths are placeholders, and it needs GPUs: structure only
         config.check()
+    elif name.startswith("vllm_") and importlib.util.find_spec("vllm") is None:  # needs the vllm extra
+        config.stage("rlvr").check()
+        with pytest.raises(ConfigError, match="install it with scripts/setup.sh --vllm"):
+            pipeline_cls.dry_run(config)
     else:  # what `baton run` checks before Ray: config, models, machine, data
         pipeline_cls.dry_run(config)
     if name == "demo.yaml":  # the spelled-out demo is the built-in default
