@@ -271,6 +271,11 @@ class VLLMEngine:
             self._scheduler = loop.create_task(self._schedule())
         return loop
 
+    async def run_on_engine(self, fn, *args):
+        """`fn(llm_engine, *args)` in the engine's thread, after any step in flight, for work the `Engine` protocol does
+        not cover (the vllm strategy scores given tokens with it); nothing else runs on the engine meanwhile."""
+        return await self._run(fn, self._engine, *args)
+
     async def _run(self, fn, *args):
         """`fn(*args)` in the executor, after any step in flight."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -148,22 +148,22 @@ class VLLMStrategy:
                              "given the tokens before it")
         sequences = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
         greedy_or_one = temperature in (0.0, 1.0)  # greedy samples report temperature-1 log-probs
-        per_row = self._loop.run_until_complete(self.engine._run(
+        per_row = self._loop.run_until_complete(self.engine.run_on_engine(
             self._prompt_log_probs, sequences, lengths.tolist(), None if greedy_or_one else temperature))
         log_probs = torch.zeros(len(batch), response_len, dtype=torch.float32)
         for row, values in enumerate(per_row):
             log_probs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
         return DataProto.from_dict({"log_probs": log_probs})
 
-    def _prompt_log_probs(self, sequences: list[list[int]], num_scored: list[int],
+    def _prompt_log_probs(self, llm, sequences: list[list[int]], num_scored: list[int],
                           temperature: float | None) -> list[list[float]]:
-        """In the engine's thread, between its steps: log p(token | tokens before) of each sequence's last
+        """In the engine's thread, between its steps (`llm`: vLLM's LLMEngine; the Engine protocol has no scoring, so
+        these requests go to vLLM directly): log p(token | tokens before) of each sequence's last
         `num_scored` tokens, at `temperature` (None: 1). vLLM's prompt log-probs are a log-softmax of the raw logits;
         at another temperature the whole vocabulary's are rescaled: log_softmax(raw / T)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        llm = self.engine._engine  # the Engine protocol has no scoring: the scoring requests go to vLLM directly
         assert not llm.has_unfinished_requests(), "generate and forward calls do not overlap"
         params = VLLMSamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                     prompt_logprobs=0 if temperature is None else -1,
