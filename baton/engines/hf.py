@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
 from baton.strategy.base import StrategyConfig
 from baton.strategy.logprobs import cache_argument, position_ids_from_mask
-from baton.strategy.sampling import _filter_logits
+from baton.strategy.sampling import filter_logits
 
 
 @dataclass(eq=False)
@@ -136,7 +136,7 @@ class _RunningBatch:
                 chosen = group.argmax(-1)
             else:
                 group = group / temperature
-                probs = torch.softmax(_filter_logits(group, top_k, top_p), -1)
+                probs = torch.softmax(filter_logits(group, top_k, top_p), -1)
                 # torch.multinomial's own one-sample draw, argmax(p / q) with q ~ Exp(1) (the Gumbel trick), with
                 # each row's q from its generator: the same token as a one-row multinomial call with that
                 # generator, at a fifth of its cost per row. test_engines checks the equality.

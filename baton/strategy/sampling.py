@@ -16,7 +16,7 @@ from baton.strategy.base import SamplingParams
 from baton.strategy.logprobs import cache_argument, position_ids_from_mask
 
 
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k / top-p nucleus to -inf (at least one token always survives)."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -41,7 +41,7 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / params.temperature
-    filtered = _filter_logits(scaled, params.top_k, params.top_p)
+    filtered = filter_logits(scaled, params.top_k, params.top_p)
     tokens = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
     return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
 
