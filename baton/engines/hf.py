@@ -18,40 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
+from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationResult
+from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
 from baton.strategy.logprobs import cache_argument, position_ids_from_mask
 from baton.strategy.sampling import filter_logits
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """A request and what it generated so far. `future` is the event loop's; the rest belongs to the executor."""
-
-    request: GenerationRequest
-    stop_token_ids: frozenset[int]
-    generator: torch.Generator | None  # None: greedy
-    future: asyncio.Future
-    response_ids: list[int] = field(init=False)  # the whole response so far, a resumed request's prefix first
-    log_probs: list[float] = field(init=False)
-    weight_versions: list[int] = field(init=False)
-
-    def __post_init__(self):
-        self.response_ids = list(self.request.prefix_response_ids)
-        self.log_probs = list(self.request.prefix_log_probs)
-        self.weight_versions = list(self.request.prefix_weight_versions)
-
-    def result(self, finish_reason: FinishReason, engine_version: int) -> GenerationResult:
-        version = self.weight_versions[-1] if self.weight_versions else engine_version
-        return GenerationResult(self.request.request_id, tuple(self.response_ids), tuple(self.log_probs),
-                                tuple(self.weight_versions), version, finish_reason)
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
@@ -70,14 +47,14 @@ class _RunningBatch:
     def __init__(self, model, pad_token_id: int, autocast):
         self.model, self.pad_token_id, self.autocast = model, pad_token_id, autocast
         self.cache_kwarg = cache_argument(model)
-        self.rows: list[_Sequence] = []
+        self.rows: list[Sequence] = []
         self.cache: DynamicCache | None = None
         self.attention_mask: torch.Tensor | None = None  # [rows, cache_len], 0 on left padding
         self.next_position: torch.Tensor | None = None  # [rows, 1]
         self.logits: torch.Tensor | None = None  # [rows, vocab]
         self.logits_versions: list[int] = []  # per row: the weight version that computed its logits
 
-    def admit(self, new: list[_Sequence], version: int) -> None:
+    def admit(self, new: list[Sequence], version: int) -> None:
         """Prefill `new` as one left-padded group (equal inputs once) and merge it into the batch."""
         device = self.model.device
         inputs = [(*s.request.prompt_ids, *s.request.prefix_response_ids) for s in new]
@@ -100,7 +77,7 @@ class _RunningBatch:
         self._merge(new, cache, mask[row_input], position_ids[row_input, -1:] + 1, out.logits[row_input, -1, :],
                     version)
 
-    def _merge(self, new: list[_Sequence], cache: DynamicCache, mask: torch.Tensor, next_position: torch.Tensor,
+    def _merge(self, new: list[Sequence], cache: DynamicCache, mask: torch.Tensor, next_position: torch.Tensor,
                logits: torch.Tensor, version: int) -> None:
         self.logits_versions += [version] * len(new)
         if not self.rows:
@@ -180,7 +157,7 @@ class _RunningBatch:
         self.logits_versions = [version] * len(tokens)
 
 
-class HFEngine:
+class HFEngine(ServingLoop):
     """Continuous batching over a transformers causal LM (see the module docstring); implements `Engine`.
 
     model: the causal LM, already on its device (the engine puts it in eval mode and owns it: do not run it
@@ -195,27 +172,16 @@ class HFEngine:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.model = model.eval()
         self.device = next(model.parameters()).device
-        self.eos_token_id = tokenizer.eos_token_id
-        self.max_num_seqs = max_num_seqs
 
         def autocast():
             return (contextlib.nullcontext() if compute_dtype is None
                     else torch.autocast(self.device.type, dtype=compute_dtype))
 
         self._batch = _RunningBatch(self.model, tokenizer.pad_token_id, autocast)  # executor thread only
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
+        super().__init__(ThreadPoolExecutor(1, thread_name_prefix="hf-engine"), model.config.vocab_size,
+                         tokenizer.eos_token_id)
+        self.max_num_running = max_num_seqs  # rows in the running batch at most
         self._seeds = torch.Generator().manual_seed(seed)
-        self._weight_version = 0
-        # Event-loop side.
-        self._waiting: list[_Sequence] = []
-        self._in_flight: dict[str, _Sequence] = {}  # waiting or running
-        self._num_running = 0
-        self._cancelled: set[str] = set()  # generate() calls cancelled by their callers
-        self._paused = self._sleeping = False
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._scheduler: asyncio.Task | None = None
 
     @classmethod
     def from_config(cls, config: StrategyConfig, device: torch.device | None = None, **kwargs) -> "HFEngine":
@@ -229,164 +195,34 @@ class HFEngine:
         return cls(model, load_tokenizer(config.tokenizer), seed=config.seed,
                    compute_dtype=config.mixed_precision_dtype, **kwargs)
 
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
+    name = "hf"
 
-    # --- requests ---------------------------------------------------------------------------------
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        loop = self._ensure_scheduler()
-        if request.request_id in self._in_flight:
-            raise ValueError(f"request {request.request_id!r} is already in flight; request ids must be unique")
-        vocab_size = self.model.config.vocab_size
-        if any(not 0 <= t < vocab_size for t in (*request.prompt_ids, *request.prefix_response_ids)):
-            raise ValueError(f"request {request.request_id!r} holds token ids outside the model's vocabulary "
-                             f"[0, {vocab_size})")
-        params = request.params
-        stop = params.stop_token_ids if params.stop_token_ids is not None else (self.eos_token_id,)
-        if request.prefix_response_ids and request.prefix_response_ids[-1] in stop:
-            raise ValueError(f"request {request.request_id!r} resumes a response that ends with a stop token: it is "
-                             "finished")
+    def _new_sequence(self, request: GenerationRequest, stop_token_ids: frozenset[int],
+                      future: asyncio.Future) -> Sequence:
         generator = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+        if request.params.temperature > 0:
+            seed = request.params.seed
+            seed = seed if seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
             generator = torch.Generator(self.device).manual_seed(seed)
-        sequence = _Sequence(request, frozenset(stop), generator, loop.create_future())
-        self._in_flight[request.request_id] = sequence
-        self._waiting.append(sequence)
-        self._wakeup.set()
-        try:
-            return await asyncio.shield(sequence.future)
-        except asyncio.CancelledError:
-            if not sequence.future.done():
-                self._cancelled.add(request.request_id)
-                self._wakeup.set()
-            raise
+        return Sequence(request, future, stop_token_ids, generator)
 
-    async def abort(self, request_ids: Iterable[str]) -> list[GenerationResult]:
-        request_ids = [i for i in dict.fromkeys(request_ids) if i in self._in_flight]
-        aborted = {}
-        for sequence in [s for s in self._waiting if s.request.request_id in request_ids]:
-            self._waiting.remove(sequence)
-            aborted[sequence.request.request_id] = sequence.result("abort", self._weight_version)
-        running = set(request_ids) - set(aborted)
-        if running:
-            removed = await self._run(self._abort_rows, running)
-            self._num_running -= len(removed)
-            aborted.update((sequence.request.request_id, result) for sequence, result in removed)
-        results = [aborted[i] for i in request_ids if i in aborted]
-        for result in results:
-            self._settle(self._in_flight[result.request_id], result)
-        return results
-
-    # --- control ------------------------------------------------------------------------------------
-
-    async def pause(self) -> None:
-        self._paused = True
-        await self._run(lambda: None)  # the executor is FIFO: a step in flight has ended
-
-    async def resume(self) -> None:
-        self._paused = False
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    async def update_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
-        """Buckets load one by one; a bucket naming a weight the model lacks raises ValueError, with the buckets
-        before it loaded and the version unchanged."""
-        if version < self._weight_version:
-            raise ValueError(f"weight version {version} is older than the engine's {self._weight_version}; versions "
-                             "only go up")
-        await self._run(self._load_weights, buckets, version)
-
-    async def sleep(self) -> None:
-        """On a GPU: the model goes to CPU memory and the KV cache (empty: nothing may run) is freed. On CPU there
-        is nothing to release (a no-op but for holding steps until `wake_up`)."""
-        if self._in_flight:
-            raise RuntimeError(f"{len(self._in_flight)} requests are in flight; abort them (or let them finish) "
-                               "before sleep()")
-        self._sleeping = True
-        if self.device.type == "cuda":
-            await self._run(self._offload, torch.device("cpu"))
-
-    async def wake_up(self) -> None:
-        if self._sleeping and self.device.type == "cuda":
-            await self._run(self._offload, self.device)
-        self._sleeping = False
-        if self._wakeup is not None:
-            self._wakeup.set()
+    @property
+    def _releases_memory(self) -> bool:
+        """On a GPU, sleep moves the model to CPU memory and frees the KV cache (empty: nothing may run). On CPU
+        there is nothing to release (a no-op but for holding steps until `wake_up`)."""
+        return self.device.type == "cuda"
 
     async def health(self) -> EngineHealth:
         return EngineHealth(self._error is None, self._num_running, len(self._waiting), self._paused, self._sleeping,
                             self._weight_version, None if self._error is None else repr(self._error))
 
-    async def close(self) -> None:
-        """Abort what is in flight, stop the scheduler and the executor thread. The engine serves nothing after."""
-        await self.abort(list(self._in_flight))
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
-        self._executor.shutdown()
-        self._error = self._error or RuntimeError("the engine was closed")
-
-    # --- the scheduler (event loop) -----------------------------------------------------------------
-
-    def _ensure_scheduler(self) -> asyncio.AbstractEventLoop:
-        if self._error is not None:
-            raise RuntimeError(f"the hf engine serves no more requests: {self._error!r}") from self._error
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            if self._in_flight:
-                raise RuntimeError("requests are in flight on another event loop; an engine serves one loop at a time")
-            self._loop, self._wakeup = loop, asyncio.Event()
-            self._scheduler = loop.create_task(self._schedule())
-        return loop
-
-    async def _run(self, fn, *args):
-        """`fn(*args)` in the executor, after any step in flight."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _schedule(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while not (self._paused or self._sleeping) and (self._num_running or self._waiting or self._cancelled):
-                cancelled, self._cancelled = self._cancelled, set()
-                for sequence in [s for s in self._waiting if s.request.request_id in cancelled]:
-                    self._waiting.remove(sequence)
-                    self._settle(sequence, sequence.result("abort", self._weight_version))
-                num_new = max(0, self.max_num_seqs - self._num_running)
-                new, self._waiting = self._waiting[:num_new], self._waiting[num_new:]
-                try:
-                    finished = await self._run(self._step, new, cancelled)
-                except Exception as error:  # a failed forward: every waiting caller gets the error
-                    self._fail(error)
-                    return
-                self._num_running += len(new) - len(finished)
-                for sequence, result in finished:
-                    self._settle(sequence, result)
-
-    def _settle(self, sequence: _Sequence, result: GenerationResult) -> None:
-        del self._in_flight[sequence.request.request_id]
-        if not sequence.future.done():
-            sequence.future.set_result(result)
-
-    def _fail(self, error: Exception) -> None:
-        self._error = error
-        for sequence in self._in_flight.values():
-            if not sequence.future.done():
-                sequence.future.set_exception(RuntimeError(f"the hf engine's decode step failed: {error!r}"))
-        self._in_flight.clear()
-        self._waiting.clear()
-
     # --- the executor's work ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _step(self, new: list[_Sequence], cancelled: set[str]) -> list[tuple[_Sequence, GenerationResult]]:
+    def _step(self, new: list[Sequence], cancelled: set[str]) -> list[GenerationResult]:
         """Admit `new`, drop `cancelled`, sample a token per row, drop the finished rows, decode the rest."""
         batch, version = self._batch, self._weight_version
-        finished = self._abort_rows(cancelled) if cancelled else []
+        finished = self._abort_running(cancelled) if cancelled else []
         if new:
             batch.admit(new, version)
         if not batch.rows:
@@ -398,9 +234,9 @@ class HFEngine:
             row.log_probs.append(log_prob)
             row.weight_versions.append(batch.logits_versions[i])
             if token in row.stop_token_ids:
-                finished.append((row, row.result("stop", version)))
+                finished.append(row.result("stop", version))
             elif len(row.response_ids) == row.request.params.max_new_tokens:
-                finished.append((row, row.result("length", version)))
+                finished.append(row.result("length", version))
             else:
                 keep.append(i)
         batch.keep(keep)
@@ -408,15 +244,18 @@ class HFEngine:
             batch.decode([tokens[i] for i in keep], version)
         return finished
 
-    def _abort_rows(self, request_ids: set[str]) -> list[tuple[_Sequence, GenerationResult]]:
+    def _abort_running(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        request_ids = set(request_ids)
         batch = self._batch
         keep = [i for i, row in enumerate(batch.rows) if row.request.request_id not in request_ids]
         aborted = [row for row in batch.rows if row.request.request_id in request_ids]
         batch.keep(keep)
-        return [(row, row.result("abort", self._weight_version)) for row in aborted]
+        return [row.result("abort", self._weight_version) for row in aborted]
 
     @torch.no_grad()
     def _load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Buckets load one by one; a bucket naming a weight the model lacks raises ValueError, with the buckets
+        before it loaded and the version unchanged."""
         names = set(self.model.state_dict())
         for bucket in buckets:
             unknown = set(bucket) - names
@@ -426,7 +265,9 @@ class HFEngine:
             self.model.load_state_dict({k: v.to(self.device) for k, v in bucket.items()}, strict=False)
         self._weight_version = version
 
-    def _offload(self, device: torch.device) -> None:
-        self.model.to(device)
-        if device.type == "cpu":
-            torch.cuda.empty_cache()
+    def _release(self) -> None:
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+
+    def _retake(self) -> None:
+        self.model.to(self.device)

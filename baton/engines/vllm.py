@@ -27,47 +27,24 @@ Import this module only where vLLM is installed (`scripts/setup.sh --vllm`); `im
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import random
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
+from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-@dataclass(eq=False)
-class _Sequence:
-    """A request and what it generated so far. `future` is the event loop's; the token lists belong to the executor."""
-
-    request: GenerationRequest
-    future: asyncio.Future
-    response_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.response_ids = list(self.request.prefix_response_ids)
-        self.log_probs = list(self.request.prefix_log_probs)
-        self.weight_versions = list(self.request.prefix_weight_versions)
-
-    def result(self, finish_reason: FinishReason, engine_version: int) -> GenerationResult:
-        version = self.weight_versions[-1] if self.weight_versions else engine_version
-        return GenerationResult(self.request.request_id, tuple(self.response_ids), tuple(self.log_probs),
-                                tuple(self.weight_versions), version, finish_reason)
-
-
-class VLLMEngine:
+class VLLMEngine(ServingLoop):
     """vLLM's in-process engine behind the `Engine` protocol (see the module docstring).
 
     model_path: a local directory holding an HF checkpoint (config.json + safetensors) and its tokenizer.
@@ -92,33 +69,22 @@ class VLLMEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         # On CPU vLLM refuses enable_sleep_mode ("Sleep mode is not supported on current platform").
-        self._sleep_supported = not current_platform.is_cpu()
+        self._releases_memory = not current_platform.is_cpu()
         args = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=True,
                     distributed_executor_backend="uni", kv_cache_memory_bytes=kv_cache_memory_bytes,
                     max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", disable_log_stats=True,
-                    enable_sleep_mode=self._sleep_supported)
+                    enable_sleep_mode=self._releases_memory)
         args.update(engine_kwargs)
         # vLLM's CPU attention kernel must run with the OpenMP thread count of the thread that built the engine (a
         # step from another thread failed "Check failed: input->metadata->thread_num == thread_num (2 vs. 1)"), so
         # the executor's one thread builds the engine and runs every step.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
-        self._engine = self._executor.submit(LLMEngine.from_engine_args, EngineArgs(**args)).result()
+        executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self._engine = executor.submit(LLMEngine.from_engine_args, EngineArgs(**args)).result()
         hf_config = self._engine.model_config.hf_config
-        self.vocab_size = hf_config.vocab_size
+        super().__init__(executor, hf_config.vocab_size, self._engine.get_tokenizer().eos_token_id)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.eos_token_id = self._engine.get_tokenizer().eos_token_id
         self._seeds = random.Random(seed)
-        self._weight_version = 0
         self._owned_directory: str | None = None  # a checkpoint from_config wrote, removed by close()
-        # Event-loop side.
-        self._to_add: list[_Sequence] = []  # not yet handed to vLLM
-        self._in_flight: dict[str, _Sequence] = {}  # handed to vLLM or not yet
-        self._cancelled: set[str] = set()  # generate() calls cancelled by their callers
-        self._paused = self._sleeping = self._closed = False
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._scheduler: asyncio.Task | None = None
 
     @classmethod
     def from_config(cls, config: StrategyConfig, **kwargs) -> "VLLMEngine":
@@ -149,167 +115,34 @@ class VLLMEngine:
         engine._owned_directory = directory
         return engine
 
+    name = "vllm"
+
     async def close(self) -> None:
-        """Abort what is in flight, stop the scheduler, and release vLLM's engine, its executor thread and a checkpoint
-        `from_config` wrote. The engine serves nothing after; a second call does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        await self.abort(list(self._in_flight))
-        if self._scheduler is not None and self._loop is asyncio.get_running_loop():
-            self._scheduler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
-        await self._run(self._engine.engine_core.shutdown)
-        self._executor.shutdown()
-        self._error = self._error or RuntimeError("the engine was closed")
+        """As `ServingLoop.close`, releasing vLLM's engine too, and a checkpoint `from_config` wrote."""
+        await super().close()
         if self._owned_directory is not None:
             shutil.rmtree(self._owned_directory, ignore_errors=True)
             self._owned_directory = None
 
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
+    def _shutdown(self) -> None:
+        self._engine.engine_core.shutdown()
 
-    # --- requests ---------------------------------------------------------------------------------
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        loop = self._ensure_scheduler()
-        if request.request_id in self._in_flight:
-            raise ValueError(f"request {request.request_id!r} is already in flight; request ids must be unique")
-        if any(not 0 <= t < self.vocab_size for t in (*request.prompt_ids, *request.prefix_response_ids)):
-            raise ValueError(f"request {request.request_id!r} holds token ids outside the model's vocabulary "
-                             f"[0, {self.vocab_size})")
+    def _check_request(self, request: GenerationRequest) -> None:
         params = request.params
         if params.temperature > 0 and (params.top_k > 0 or params.top_p < 1):
             raise ValueError(f"request {request.request_id!r} sets top_k={params.top_k} / top_p={params.top_p}: vLLM "
                              "reports the log-probs of the filtered distribution, not the temperature-scaled one a "
                              "trainer recomputes; use the hf engine for filtered sampling")
-        stop = params.stop_token_ids if params.stop_token_ids is not None else (self.eos_token_id,)
-        if request.prefix_response_ids and request.prefix_response_ids[-1] in stop:
-            raise ValueError(f"request {request.request_id!r} resumes a response that ends with a stop token: it is "
-                             "finished")
-        sequence = _Sequence(request, loop.create_future())
-        self._in_flight[request.request_id] = sequence
-        self._to_add.append(sequence)
-        self._wakeup.set()
-        try:
-            return await asyncio.shield(sequence.future)
-        except asyncio.CancelledError:
-            if not sequence.future.done():
-                self._cancelled.add(request.request_id)
-                self._wakeup.set()
-            raise
-
-    async def abort(self, request_ids: Iterable[str]) -> list[GenerationResult]:
-        request_ids = [i for i in dict.fromkeys(request_ids) if i in self._in_flight]
-        aborted = {}
-        for sequence in [s for s in self._to_add if s.request.request_id in request_ids]:
-            self._to_add.remove(sequence)
-            aborted[sequence.request.request_id] = sequence.result("abort", self._weight_version)
-        handed = [i for i in request_ids if i not in aborted]
-        if handed:
-            aborted.update((r.request_id, r) for r in await self._run(self._abort_in_vllm, handed))
-        results = [aborted[i] for i in request_ids]
-        for result in results:
-            self._settle(self._in_flight[result.request_id], result)
-        return results
-
-    # --- control ------------------------------------------------------------------------------------
-
-    async def pause(self) -> None:
-        self._paused = True
-        await self._run(lambda: None)  # the executor is FIFO: a step in flight has ended
-
-    async def resume(self) -> None:
-        self._paused = False
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    async def update_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
-        """As `Engine.update_weights`. All buckets go to vLLM in one `reload_weights` call: vLLM fuses q/k/v and
-        gate/up projections and repacks each layer once its weights arrive, so a layer split across two calls would
-        be processed half-loaded. Running requests are preempted and recompute their KV cache with the new weights
-        (vLLM's prefix cache is reset, so no request reuses a prefix the old weights computed)."""
-        if version < self._weight_version:
-            raise ValueError(f"weight version {version} is older than the engine's {self._weight_version}; versions "
-                             "only go up")
-        await self._run(self._load_weights, buckets, version)
-
-    async def sleep(self) -> None:
-        """On a GPU, vLLM's sleep level 1: weights to CPU memory, KV cache freed. On CPU vLLM has no sleep mode, so
-        nothing is released (a no-op but for holding steps until `wake_up`)."""
-        if self._in_flight:
-            raise RuntimeError(f"{len(self._in_flight)} requests are in flight; abort them (or let them finish) "
-                               "before sleep()")
-        self._sleeping = True
-        if self._sleep_supported:
-            await self._run(self._engine.sleep, 1)
-
-    async def wake_up(self) -> None:
-        if self._sleeping and self._sleep_supported:
-            await self._run(self._engine.wake_up)
-        self._sleeping = False
-        if self._wakeup is not None:
-            self._wakeup.set()
 
     async def health(self) -> EngineHealth:
         num_running, num_waiting = (0, 0) if self._error is not None else await self._run(self._request_counts)
-        return EngineHealth(self._error is None, num_running, num_waiting + len(self._to_add), self._paused,
+        return EngineHealth(self._error is None, num_running, num_waiting + len(self._waiting), self._paused,
                             self._sleeping, self._weight_version, None if self._error is None else repr(self._error))
-
-    # --- the scheduler (event loop) -----------------------------------------------------------------
-
-    def _ensure_scheduler(self) -> asyncio.AbstractEventLoop:
-        if self._error is not None:
-            raise RuntimeError(f"the vllm engine stopped after a failed step: {self._error!r}") from self._error
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            if self._in_flight:
-                raise RuntimeError("requests are in flight on another event loop; an engine serves one loop at a time")
-            self._loop, self._wakeup = loop, asyncio.Event()
-            self._scheduler = loop.create_task(self._schedule())
-        return loop
 
     async def run_on_engine(self, fn, *args):
         """`fn(llm_engine, *args)` in the engine's thread, after any step in flight, for work the `Engine` protocol does
         not cover (the vllm strategy scores given tokens with it); nothing else runs on the engine meanwhile."""
         return await self._run(fn, self._engine, *args)
-
-    async def _run(self, fn, *args):
-        """`fn(*args)` in the executor, after any step in flight."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _schedule(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while not (self._paused or self._sleeping) and (self._in_flight or self._cancelled):
-                cancelled, self._cancelled = self._cancelled, set()
-                for sequence in [s for s in self._to_add if s.request.request_id in cancelled]:
-                    self._to_add.remove(sequence)
-                    self._settle(sequence, sequence.result("abort", self._weight_version))
-                new, self._to_add = self._to_add, []
-                try:
-                    finished = await self._run(self._step, new, cancelled & set(self._in_flight))
-                except Exception as error:  # a failed step: every waiting caller gets the error
-                    self._fail(error)
-                    return
-                for result in finished:
-                    self._settle(self._in_flight[result.request_id], result)
-
-    def _settle(self, sequence: _Sequence, result: GenerationResult) -> None:
-        del self._in_flight[sequence.request.request_id]
-        if not sequence.future.done():
-            sequence.future.set_result(result)
-
-    def _fail(self, error: Exception) -> None:
-        self._error = error
-        for sequence in self._in_flight.values():
-            if not sequence.future.done():
-                sequence.future.set_exception(RuntimeError(f"the vllm engine's step failed: {error!r}"))
-        self._in_flight.clear()
-        self._to_add.clear()
 
     # --- the executor's work ------------------------------------------------------------------------
 
@@ -328,9 +161,9 @@ class VLLMEngine:
                                                  else (self.eos_token_id,)),
             logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
-    def _step(self, new: list[_Sequence], cancelled: set[str]) -> list[GenerationResult]:
+    def _step(self, new: list[Sequence], cancelled: set[str]) -> list[GenerationResult]:
         """Hand `new` to vLLM, drop `cancelled`, run one engine step and record its tokens."""
-        finished = self._abort_in_vllm(list(cancelled)) if cancelled else []
+        finished = self._abort_running(list(cancelled)) if cancelled else []
         for sequence in new:
             request = sequence.request
             self._engine.add_request(request.request_id,
@@ -350,11 +183,15 @@ class VLLMEngine:
                 finished.append(sequence.result(_FINISH_REASONS[completion.finish_reason], version))
         return finished
 
-    def _abort_in_vllm(self, request_ids: list[str]) -> list[GenerationResult]:
+    def _abort_running(self, request_ids: list[str]) -> list[GenerationResult]:
         self._engine.abort_request(request_ids)
         return [self._in_flight[i].result("abort", self._weight_version) for i in request_ids]
 
     def _load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """All buckets go to vLLM in one `reload_weights` call: vLLM fuses q/k/v and gate/up projections and repacks
+        each layer once its weights arrive, so a layer split across two calls would be processed half-loaded. Running
+        requests are preempted and recompute their KV cache with the new weights (vLLM's prefix cache is reset, so no
+        request reuses a prefix the old weights computed)."""
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": self._weights(buckets)})
         # Preempted running requests recompute their KV cache with the new weights at the next step.
         self._engine.reset_prefix_cache(reset_running_requests=True)
@@ -372,6 +209,14 @@ class VLLMEngine:
             yield name, tensor
         if self.tie_word_embeddings and embedding is not None and not sent_head:
             yield "lm_head.weight", embedding
+
+    def _release(self) -> None:
+        """On a GPU, vLLM's sleep level 1: weights to CPU memory, KV cache freed. vLLM has no sleep mode on CPU, where
+        `sleep` releases nothing (it only holds steps until `wake_up`)."""
+        self._engine.sleep(1)
+
+    def _retake(self) -> None:
+        self._engine.wake_up()
 
     def _request_counts(self) -> tuple[int, int]:
         # The in-process client's engine core: vLLM has no public accessor for its scheduler's queue lengths.
