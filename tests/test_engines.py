@@ -63,12 +63,13 @@ def assert_same(result: GenerationResult, expected: tuple, atol: float = 1e-5) -
     torch.testing.assert_close(torch.tensor(result.log_probs), torch.tensor(log_probs), atol=atol, rtol=0)
 
 
-async def staggered(engine: HFEngine, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    """Submit the requests one by one, a decode step or more apart, so that most join a running batch."""
+async def staggered(engine: Engine, requests: list[GenerationRequest], gap_s: float = 0.002
+                    ) -> list[GenerationResult]:
+    """Submit the requests one by one, `gap_s` (a decode step or more) apart, so that most join a running batch."""
     tasks = []
     for request in requests:
         tasks.append(asyncio.create_task(engine.generate(request)))
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(gap_s)
     return await asyncio.gather(*tasks)
 
 

@@ -22,7 +22,7 @@ import yaml
 from baton.cli import resolve
 from baton.config import ConfigError
 from baton.data import DataProto
-from baton.engines import Engine, GenerationRequest, GenerationResult
+from baton.engines import Engine, GenerationRequest
 from baton.engines.vllm import VLLMEngine
 from baton.models.tokenizer import CHAR_VOCAB_SIZE
 from baton.pipelines.base import run_pipeline
@@ -32,6 +32,7 @@ from baton.strategy import SamplingParams, StrategyConfig, create_strategy
 from baton.strategy.hf import HFStrategy
 from baton.tracking.tracker import read_metrics
 from baton.workers.weight_sync import probe_batch
+from test_engines import assert_same, staggered
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 SKIP_REASON = "vLLM is not installed; install it with scripts/setup.sh --vllm"
@@ -92,22 +93,6 @@ def actor_log_probs(strategy: HFStrategy, prompt: list[int], response: list[int]
     return strategy.forward(batch, temperature=temperature).batch["log_probs"][0]
 
 
-def assert_same(result: GenerationResult, expected: tuple) -> None:
-    tokens, log_probs, reason = expected
-    assert list(result.response_ids) == tokens
-    assert result.finish_reason == reason
-    torch.testing.assert_close(torch.tensor(result.log_probs), torch.tensor(log_probs), atol=LOG_PROB_ATOL, rtol=0)
-
-
-async def staggered(engine: VLLMEngine, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    """Submit the requests one by one, a little apart, so that most join a running batch."""
-    tasks = []
-    for request in requests:
-        tasks.append(asyncio.create_task(engine.generate(request)))
-        await asyncio.sleep(0.005)
-    return await asyncio.gather(*tasks)
-
-
 async def after_tokens(engine: VLLMEngine, num_tokens: int, request_id: str = "clock") -> None:
     """Return once the engine has run `num_tokens` steps of a request started now (its finish)."""
     params = dataclasses.replace(GREEDY, max_new_tokens=num_tokens)
@@ -125,10 +110,10 @@ def test_concurrent_greedy_requests_equal_one_batch_call(engine, strategy, promp
     assert len({tuple(tokens) for tokens, _, _ in expected}) > 1  # the prompts do lead to different responses
     assert all(NEVER not in tokens for tokens, _, _ in expected)
     requests = [GenerationRequest(f"r{i}", prompt_ids[i % len(prompt_ids)], GREEDY) for i in range(4 * len(prompt_ids))]
-    results = asyncio.run(staggered(engine, requests))
+    results = asyncio.run(staggered(engine, requests, gap_s=0.005))
     for i, (request, result) in enumerate(zip(requests, results)):
         assert result.request_id == request.request_id
-        assert_same(result, expected[i % len(prompt_ids)])
+        assert_same(result, expected[i % len(prompt_ids)], atol=LOG_PROB_ATOL)
         assert result.weight_versions == (0,) * GREEDY.max_new_tokens and result.weight_version == 0
 
 
@@ -139,7 +124,7 @@ def test_sampled_log_probs_match_an_hf_forward_at_the_temperature(engine, strate
               for i, t in enumerate([0.7, 1.0, 1.3, 1.0])]
     requests = [GenerationRequest(f"s{i}", prompt_ids[i], p) for i, p in enumerate(params)]
     crowd = asyncio.run(staggered(engine, requests + [GenerationRequest(f"c{i}", ids, GREEDY)
-                                                      for i, ids in enumerate(prompt_ids)]))[: len(requests)]
+                                                      for i, ids in enumerate(prompt_ids)], gap_s=0.005))[: len(requests)]
     alone = [asyncio.run(engine.generate(r)) for r in requests[:2]]
     assert [r.response_ids for r in alone] == [r.response_ids for r in crowd[:2]]
     for request, result in zip(requests, crowd):
@@ -162,18 +147,18 @@ def test_update_weights_changes_greedy_outputs_to_the_new_weights(engine, strate
     asyncio.run(engine.update_weights(buckets, version=3))
     assert engine.weight_version == 3
     results = asyncio.run(staggered(engine, [GenerationRequest(f"n{i}", ids, GREEDY)
-                                             for i, ids in enumerate(prompt_ids)]))
+                                             for i, ids in enumerate(prompt_ids)], gap_s=0.005))
     for result, row in zip(results, new):
-        assert_same(result, row)
+        assert_same(result, row, atol=LOG_PROB_ATOL)
         assert result.weight_versions == (3,) * GREEDY.max_new_tokens and result.weight_version == 3
     with pytest.raises(ValueError, match="older than"):
         asyncio.run(engine.update_weights([], version=2))
     # Seed 0's weights back, in the default (one) bucket.
     asyncio.run(engine.update_weights(strategy.export_weights(), version=4))
     results = asyncio.run(staggered(engine, [GenerationRequest(f"o{i}", ids, GREEDY)
-                                             for i, ids in enumerate(prompt_ids)]))
+                                             for i, ids in enumerate(prompt_ids)], gap_s=0.005))
     for result, row in zip(results, old):
-        assert_same(result, row)
+        assert_same(result, row, atol=LOG_PROB_ATOL)
 
 
 def test_abort_returns_the_partial_response_and_a_resumed_request_completes_it(engine, strategy, prompt_ids):
@@ -196,8 +181,8 @@ def test_abort_returns_the_partial_response_and_a_resumed_request_completes_it(e
     assert health.num_running == 0 and health.num_waiting == 0
     num_partial = len(partial.response_ids)
     assert 4 <= num_partial < 200
-    assert_same(partial, (expected[0][:num_partial], expected[1][:num_partial], "abort"))
-    assert_same(resumed, expected)
+    assert_same(partial, (expected[0][:num_partial], expected[1][:num_partial], "abort"), atol=LOG_PROB_ATOL)
+    assert_same(resumed, expected, atol=LOG_PROB_ATOL)
     assert resumed.log_probs[:num_partial] == partial.log_probs
 
 
@@ -222,7 +207,7 @@ def test_pause_holds_requests_until_resume(engine, strategy, prompt_ids):
 
     paused, result = asyncio.run(run())
     assert paused.paused and paused.num_waiting == 1 and paused.num_running == 0
-    assert_same(result, expected)
+    assert_same(result, expected, atol=LOG_PROB_ATOL)
 
 
 def test_sleep_is_a_no_op_on_cpu_and_refuses_requests_in_flight(engine, strategy, prompt_ids):
@@ -239,7 +224,7 @@ def test_sleep_is_a_no_op_on_cpu_and_refuses_requests_in_flight(engine, strategy
 
     slept, result = asyncio.run(run())
     assert slept.sleeping and slept.healthy
-    assert_same(result, batch_generate(strategy, [prompt_ids[2]], GREEDY)[0])
+    assert_same(result, batch_generate(strategy, [prompt_ids[2]], GREEDY)[0], atol=LOG_PROB_ATOL)
 
 
 def test_bad_requests_fail_loudly(engine, prompt_ids):
@@ -277,7 +262,7 @@ def test_weights_updated_mid_request_apply_to_its_next_tokens(engine, strategy, 
                                   dataclasses.replace(params, max_new_tokens=120 - num_old))[0]
     tail = dataclasses.replace(result, response_ids=result.response_ids[num_old:], log_probs=result.log_probs[num_old:],
                                weight_versions=result.weight_versions[num_old:])
-    assert_same(tail, continuation)
+    assert_same(tail, continuation, atol=LOG_PROB_ATOL)
 
 
 def test_a_cancelled_generate_call_leaves_the_engine(engine, strategy, prompt_ids):
@@ -296,7 +281,7 @@ def test_a_cancelled_generate_call_leaves_the_engine(engine, strategy, prompt_id
 
     health, result = asyncio.run(run())
     assert health.num_running == 0 and health.num_waiting == 0 and health.healthy
-    assert_same(result, batch_generate(strategy, [prompt_ids[0]], GREEDY)[0])
+    assert_same(result, batch_generate(strategy, [prompt_ids[0]], GREEDY)[0], atol=LOG_PROB_ATOL)
 
 
 # --- the `vllm` strategy: a rollout -------------------------------------------------------------------------
