@@ -47,7 +47,10 @@ class WorkerConfig:
 
     Give `device_mapping` (global device ids, `num_devices_per_worker` per worker, in rank order)
     or `world_size` (then devices 0.. of the pool are used). `num_devices_per_worker=0` makes
-    CPU-only workers (reward, data) that are spread over the nodes outside the device slots.
+    CPU-only workers (reward, data) that are spread over the nodes outside the device slots. A
+    worker of several GPUs (all on one node) sees them all in `CUDA_VISIBLE_DEVICES`, in mapping
+    order: for a process that drives several GPUs itself, such as a vLLM engine's tensor
+    parallelism (see `ResourceManager`). A worker of several CPU slots gets their CPUs as threads.
     Two clusters may use the same devices only if one lists the other in `share_devices_with`.
     `num_threads_per_worker` sets torch's threads in each worker process; None follows the worker's
     CPU share (see `ResourceManager`), at least 1. On the local backend the workers share the

@@ -4,7 +4,9 @@ The manager numbers every device slot of the cluster it manages: node 0's slots 
 node 1's are k..2k-1, and so on. A slot is a GPU, or a CPU when the Ray cluster has no GPUs. On
 Ray it reserves one placement group per node, one bundle per slot; a worker runs in the bundle
 of its first device and asks only a sliver of it, so clusters that time-share devices (training
-and inference on the same GPUs) fit side by side. Overlap is allowed only when asked for.
+and inference on the same GPUs) fit side by side. Overlap is allowed only when asked for. A
+worker with several GPU slots (an inference engine's tensor-parallel ranks in one process) is
+shown the GPUs of all its bundles through `CUDA_VISIBLE_DEVICES`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Sequence
 from baton.distributed.errors import LayoutError, OversubscriptionWarning
 
 _SLIVER = 0.01  # resource a worker asks of its device's bundle; leaves room for time-sharing clusters
+# Ray's switch that leaves a worker's CUDA_VISIBLE_DEVICES as its runtime_env sets it (ray/_private/accelerators/nvidia_gpu.py).
+_NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,17 @@ class ResourceManager:
     slots than the node has CPUs.
     backend "local": a virtual layout for in-process clusters (default one node of one slot).
 
+    A worker of several GPU slots (`num_devices_per_worker` > 1 on GPUs) runs in its first slot's
+    bundle and sees every GPU of its slots: Ray's GPU id of each slot's bundle is asked of a tiny
+    task in that bundle (once per slot, within `ready_timeout_s`), and the worker starts with
+    `CUDA_VISIBLE_DEVICES` set to them in `device_mapping` order. Only a process that drives
+    several GPUs itself can use them (the `vllm` strategy's tensor parallelism; the pipelines'
+    config checks refuse other strategies); a one-GPU worker sees the one GPU Ray gives it.
+
     A worker's CPU share is its `num_cpus_per_worker` (CPU-only workers), its slots (a slot that
-    is a CPU), or `num_cpus_per_gpu` (a GPU slot). The manager refuses CPU-only workers that
-    cannot fit on a node beside its slots, and warns once when the torch threads of the worker
-    processes on a node outnumber that node's cores.
+    is a CPU), or `num_cpus_per_gpu` (GPU slots, however many). The manager refuses CPU-only
+    workers that cannot fit on a node beside its slots, and warns once when the torch threads of
+    the worker processes on a node outnumber that node's cores.
     """
 
     def __init__(
@@ -67,6 +78,8 @@ class ResourceManager:
         self._node_cpus: list[float] | None = None  # Ray's CPUs per node (None on the local backend: no limit)
         self._warned_oversubscribed = False
         self._placement_groups: list = []
+        self._gpu_ids: dict[int, str] = {}  # device slot -> the GPU id Ray assigned to its bundle (multi-GPU workers)
+        self._ready_timeout_s = ready_timeout_s
         if backend == "local":
             self.device_kind = "CPU"
             self.num_nodes = num_nodes or 1
@@ -101,12 +114,6 @@ class ResourceManager:
         """Validate a cluster's layout, claim its devices, and say where each worker goes."""
         if num_devices_per_worker == 0:
             return self._place_cpu_only(cluster_name, world_size, num_cpus_per_worker)
-        if self.device_kind == "GPU" and num_devices_per_worker > 1:
-            # Ray would expose only the first bundle's GPU to the worker; say so instead of running on one.
-            raise LayoutError(
-                f"cluster {cluster_name!r}: num_devices_per_worker={num_devices_per_worker} on GPUs is not supported yet; "
-                "use one GPU per worker (one worker per tensor-parallel rank)"
-            )
         mapping = tuple(device_mapping)
         self._check_ids(mapping, f"cluster {cluster_name!r} device_mapping")
         if len(mapping) != world_size * num_devices_per_worker:
@@ -127,13 +134,17 @@ class ResourceManager:
                     f"a worker's devices must be on one node of {self.num_devices_per_node} devices"
                 )
             per_node.setdefault(nodes.pop(), []).append(rank)
-        for rank in range(world_size):
-            devices = mapping[rank * num_devices_per_worker : (rank + 1) * num_devices_per_worker]
-            node = devices[0] // self.num_devices_per_node
-            placements.append(
-                Placement(node, devices, per_node[node].index(rank), len(per_node[node]), self._device_options(devices[0]),
-                          num_cpus=self._slot_cpus * (1 if self.device_kind == "GPU" else num_devices_per_worker))
-            )
+        try:
+            for rank in range(world_size):
+                devices = mapping[rank * num_devices_per_worker : (rank + 1) * num_devices_per_worker]
+                node = devices[0] // self.num_devices_per_node
+                placements.append(
+                    Placement(node, devices, per_node[node].index(rank), len(per_node[node]), self._device_options(devices),
+                              num_cpus=self._slot_cpus * (1 if self.device_kind == "GPU" else num_devices_per_worker))
+                )
+        except BaseException:
+            self.release(cluster_name)
+            raise
         return placements
 
     def release(self, cluster_name: str) -> None:
@@ -279,17 +290,53 @@ class ResourceManager:
         cpus = {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in nodes}
         self._node_cpus = [cpus.get(node, 0.0) for node in self._node_ids]
 
-    def _device_options(self, device_id: int) -> dict:
+    def _device_options(self, device_ids: tuple[int, ...]) -> dict:
+        """Ray actor options of a worker on `device_ids`: a sliver of its first device's bundle, and for several GPUs
+        the environment that shows it all of them."""
         if self.backend != "ray":
             return {}
+        options = {"scheduling_strategy": self._in_bundle(device_ids[0]), "num_cpus": _SLIVER}
+        if self.device_kind == "GPU":
+            options["num_gpus"] = _SLIVER
+            if len(device_ids) > 1:
+                # Ray would set CUDA_VISIBLE_DEVICES to the first bundle's GPU alone; it is told to leave it as set here.
+                visible = ",".join(self.bundle_gpu_ids(device_ids))
+                options["runtime_env"] = {"env_vars": {_NOSET_CUDA_VISIBLE_DEVICES: "1", "CUDA_VISIBLE_DEVICES": visible}}
+        return options
+
+    def _in_bundle(self, device_id: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group = self._placement_groups[device_id // self.num_devices_per_node]
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=device_id % self.num_devices_per_node)
-        options = {"scheduling_strategy": strategy, "num_cpus": _SLIVER}
-        if self.device_kind == "GPU":
-            options["num_gpus"] = _SLIVER
-        return options
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=device_id % self.num_devices_per_node)
+
+    def bundle_gpu_ids(self, device_ids: Sequence[int]) -> list[str]:
+        """The GPU id (as CUDA_VISIBLE_DEVICES names it) that Ray assigned to each device slot's bundle, in order.
+
+        Asked of a tiny task per slot, run in that slot's bundle, once: cached for the manager's life (a placement
+        group keeps its GPUs). Raises LayoutError when the tasks do not run within the manager's ready_timeout_s.
+        """
+        import ray
+
+        missing = [d for d in dict.fromkeys(device_ids) if d not in self._gpu_ids]
+        if missing:
+            task = ray.remote(_assigned_gpu_ids)
+            refs = [task.options(scheduling_strategy=self._in_bundle(d), num_cpus=0, num_gpus=_SLIVER).remote()
+                    for d in missing]
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=self._ready_timeout_s)
+            if pending:
+                for ref in pending:
+                    ray.cancel(ref)
+                stuck = [d for d, ref in zip(missing, refs) if ref in set(pending)]
+                raise LayoutError(
+                    f"could not learn the GPU ids of device slots {stuck} within {self._ready_timeout_s:g} s: a task asking "
+                    f"{_SLIVER} GPU of their bundles did not run (free now: {ray.available_resources()}); a worker of "
+                    "several GPUs needs them. Free the Ray cluster's workers, or raise the ResourceManager's ready_timeout_s"
+                )
+            for device, ids in zip(missing, ray.get(refs)):
+                assert len(ids) == 1, f"device slot {device}'s bundle holds one GPU, but a task in it was given {ids}"
+                self._gpu_ids[device] = ids[0]
+        return [self._gpu_ids[d] for d in device_ids]
 
     def _cpu_options(self, node_index: int, num_cpus: float) -> dict:
         if self.backend != "ray":
@@ -317,6 +364,13 @@ class ResourceManager:
             ):
                 time.sleep(0.05)
         self._placement_groups = []
+
+
+def _assigned_gpu_ids() -> list[str]:
+    """Run as a Ray task in one bundle: the GPU ids Ray gave it."""
+    import ray
+
+    return ray.get_runtime_context().get_accelerator_ids()["GPU"]
 
 
 def _free_resources_per_node() -> dict[str, dict]:

@@ -19,6 +19,12 @@ set. With a filter vLLM reports the filtered distribution's log-probs, which dif
 recomputes, so such requests are refused. A seeded request samples from its own generator, so its tokens do not
 depend on what else runs; greedy requests equal one batch call (up to float rounding of batch shapes).
 
+Several GPUs (a worker given `num_devices_per_worker` > 1; see `baton.distributed.resource`): the engine runs
+vLLM's tensor parallelism over every GPU in `CUDA_VISIBLE_DEVICES`. The "uni" executor drives one device only, so
+then vLLM's "mp" executor spawns one process per GPU (the engine core and its scheduler stay in this process), and
+weights cross to those processes pickled: as a list of CPU tensors, not a generator. Written without a GPU to run
+it on: only the one-device path ("uni", CPU) is tested here.
+
 Side effect: vLLM's CPU worker replaces `torch.set_num_threads` with a warning for the whole process, so the
 process that builds this engine keeps its torch thread count from then on.
 
@@ -52,9 +58,9 @@ class VLLMEngine(ServingLoop):
         forward to ~1e-6 on CPU; bf16 is slower on AVX2 CPUs and its log-probs differ by ~1e-2).
     kv_cache_memory_bytes: the KV cache's size (on CPU, `VLLM_CPU_KVCACHE_SPACE` overrides it). max_num_seqs:
         requests in the running batch at most; more wait inside vLLM.
-    engine_kwargs: more `vllm.EngineArgs` fields (e.g. `max_model_len`, `gpu_memory_utilization`). The "uni"
-        executor runs one device in this process; `tensor_parallel_size` > 1 on GPU needs
-        `distributed_executor_backend="mp"` (not tested here: no GPU).
+    engine_kwargs: more `vllm.EngineArgs` fields (e.g. `max_model_len`, `gpu_memory_utilization`).
+        `tensor_parallel_size` defaults to the GPUs this process sees (1 on CPU); above 1 the executor is "mp"
+        (one process per GPU; see the module docstring), else "uni" (this process).
     """
 
     def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32",
@@ -70,9 +76,14 @@ class VLLMEngine(ServingLoop):
 
         # On CPU vLLM refuses enable_sleep_mode ("Sleep mode is not supported on current platform").
         self._releases_memory = not current_platform.is_cpu()
+        # vLLM's own count of the GPUs in CUDA_VISIBLE_DEVICES (it leaves CUDA uninitialised, which spawning needs).
+        self.tensor_parallel_size = engine_kwargs.pop(
+            "tensor_parallel_size", current_platform.device_count() if current_platform.is_cuda() else 1)
         args = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=True,
-                    distributed_executor_backend="uni", kv_cache_memory_bytes=kv_cache_memory_bytes,
-                    max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", disable_log_stats=True,
+                    tensor_parallel_size=self.tensor_parallel_size,
+                    distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else "mp",
+                    kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+                    logprobs_mode="processed_logprobs", disable_log_stats=True,
                     enable_sleep_mode=self._releases_memory)
         args.update(engine_kwargs)
         # vLLM's CPU attention kernel must run with the OpenMP thread count of the thread that built the engine (a
@@ -192,7 +203,10 @@ class VLLMEngine(ServingLoop):
         each layer once its weights arrive, so a layer split across two calls would be processed half-loaded. Running
         requests are preempted and recompute their KV cache with the new weights (vLLM's prefix cache is reset, so no
         request reuses a prefix the old weights computed)."""
-        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": self._weights(buckets)})
+        weights = self._weights(buckets)
+        if self.tensor_parallel_size > 1:  # the "mp" executor pickles the call to its GPU processes
+            weights = [(name, tensor.cpu()) for name, tensor in weights]
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Preempted running requests recompute their KV cache with the new weights at the next step.
         self._engine.reset_prefix_cache(reset_running_requests=True)
         self._weight_version = version

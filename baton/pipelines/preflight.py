@@ -1,5 +1,6 @@
 """Checks that need no worker, run before Ray starts (and by `baton config`): every role's strategy and model, the
-strategy/world-size combinations, and whether the machine has the CPUs and devices the roles ask for.
+strategy/world-size and strategy/devices combinations, and whether the machine has the CPUs and devices the roles
+ask for.
 
 A mistake found here costs a second; found in a worker's start-up it cost half a minute or more.
 """
@@ -17,6 +18,7 @@ from baton.strategy import StrategyConfig, strategy_class
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
 INFERENCE_STRATEGIES = ("vllm",)  # generate and take weights only: the rollout role's
+MULTI_GPU_STRATEGIES = ("vllm",)  # drive several GPUs from one worker process (vLLM's tensor parallelism)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -38,7 +40,28 @@ def check_roles(config, trainer: TrainerConfig) -> None:
                 f"{name}.strategy.name is 'hf' with {workers} {name} workers: the 'hf' strategy keeps an independent model "
                 f"per worker, so they would drift apart; use {name}.strategy.name=fsdp2 to train one model over "
                 f"{workers} workers, or {name}.world_size=1")
+    machine = local_machine(trainer)
+    if machine is not None:  # a cluster joined by address: its GPUs are unknown until Ray connects
+        check_devices_per_worker(roles, has_gpus=machine[1] > 0)
     check_machine(config, trainer)
+
+
+def check_devices_per_worker(roles: dict[str, RoleConfig], has_gpus: bool) -> None:
+    """On GPUs, a worker of several devices sees them all, but only a strategy that drives several GPUs from one
+    process (MULTI_GPU_STRATEGIES) uses more than the first; refuse the others. On CPU slots several devices per
+    worker are more CPUs (threads) for it, for any strategy. `has_gpus`: whether the slots are GPUs (the local Ray
+    instance's, or a `ResourceManager.device_kind` once reserved)."""
+    if not has_gpus:
+        return
+    for name, role in roles.items():
+        if role.num_devices_per_worker > 1 and role.strategy.name not in MULTI_GPU_STRATEGIES:
+            raise ConfigError(
+                f"{name}.num_devices_per_worker={role.num_devices_per_worker} on GPUs with {name}.strategy.name="
+                f"{role.strategy.name!r}: that strategy runs its model on one GPU per worker process, so the other "
+                f"{role.num_devices_per_worker - 1} would sit idle. Use one worker per GPU: "
+                f"{name}.num_devices_per_worker=1 with {name}.world_size set to the GPU count (fsdp2 shards one model "
+                f"over its workers); several GPUs per worker are for {', '.join(MULTI_GPU_STRATEGIES)} (tensor "
+                "parallel) rollouts")
 
 
 def model_roles(config) -> dict[str, RoleConfig]:
@@ -104,21 +127,10 @@ def check_machine(config, trainer: TrainerConfig) -> None:
     CPU-only workers fit. A cluster joined by address is checked by the resource manager when it reserves."""
     from baton.pipelines.base import describe_roles, devices_needed
 
-    if trainer.backend != "ray" or trainer.ray_address:
+    machine = local_machine(trainer)
+    if machine is None:
         return
-    ray = sys.modules.get("ray")
-    running = ray is not None and ray.is_initialized()
-    if running:
-        resources = ray.cluster_resources()
-        cpus, gpus, where = resources.get("CPU", 0.0), resources.get("GPU", 0.0), "the running Ray instance"
-    else:
-        if (trainer.num_nodes or 1) > 1:
-            raise ConfigError(f"trainer.num_nodes={trainer.num_nodes}, but a local Ray instance has one node; join a "
-                              "cluster with --ray-address (trainer.ray_address), or set trainer.num_nodes=null")
-        cpus = trainer.num_cpus or usable_cpu_count()
-        gpus = _local_gpu_count()
-        where = (f"a local Ray instance with trainer.num_cpus={trainer.num_cpus}" if trainer.num_cpus else
-                 f"a local Ray instance on the {cpus} core(s) this process may use")
+    cpus, gpus, where = machine
     num_nodes = trainer.num_nodes or 1
     slots = (trainer.num_devices_per_node or devices_needed(config, num_nodes)) * num_nodes
     cpu_only = {name: role for name, role in vars(config).items()
@@ -134,6 +146,25 @@ def check_machine(config, trainer: TrainerConfig) -> None:
             f"the roles need {needed:g} CPU(s): {slots} device slot(s) ({describe_roles(config)}) and {cpu_only_cpus:g} "
             f"for CPU-only workers ({workers}), but {where} has {cpus:g}. Lower their world_size, or set "
             "trainer.num_cpus to start Ray with more logical CPUs (slower: the workers then share cores)")
+
+
+def local_machine(trainer: TrainerConfig) -> tuple[float, float, str] | None:
+    """(CPUs, GPUs, its description) of the local Ray instance the run will use: the running one, or the one the
+    pipeline starts. None where the run uses no Ray (the local backend's slots are CPUs) or joins a cluster by address
+    (unknown until it connects; the resource manager checks the layout when it reserves)."""
+    if trainer.backend != "ray" or trainer.ray_address:
+        return None
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        resources = ray.cluster_resources()
+        return resources.get("CPU", 0.0), resources.get("GPU", 0.0), "the running Ray instance"
+    if (trainer.num_nodes or 1) > 1:
+        raise ConfigError(f"trainer.num_nodes={trainer.num_nodes}, but a local Ray instance has one node; join a "
+                          "cluster with --ray-address (trainer.ray_address), or set trainer.num_nodes=null")
+    cpus = trainer.num_cpus or usable_cpu_count()
+    where = (f"a local Ray instance with trainer.num_cpus={trainer.num_cpus}" if trainer.num_cpus else
+             f"a local Ray instance on the {cpus} core(s) this process may use")
+    return cpus, _local_gpu_count(), where
 
 
 def _local_gpu_count() -> int:

@@ -62,6 +62,9 @@ class VLLMStrategy:
         running requests recompute their KV cache); each import is a new weight version.
     offload / reload: vLLM's sleep / wake-up; on CPU vLLM has no sleep mode and both free nothing.
     engine_kwargs: passed to `VLLMEngine.from_config` (e.g. `kv_cache_memory_bytes`, `max_num_seqs`).
+    A rollout worker of several GPUs (`num_devices_per_worker` > 1) runs one engine, tensor parallel over all of them
+    (`VLLMEngine`'s `tensor_parallel_size` defaults to the GPUs the process sees); to the pipeline it is one
+    data-parallel worker.
     """
 
     def __init__(self, config: StrategyConfig, **engine_kwargs):
