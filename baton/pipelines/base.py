@@ -1,9 +1,9 @@
 """`Pipeline`: what every pipeline does besides its loop (ROLL's BasePipeline).
 
-Seeding, the Ray instance and resource manager, building the role clusters (in parallel),
-model-update pairs (training → inference weight sync), checkpoints with exact resume, the
-tracker and the progress bar. A subclass builds its clusters in `__init__` and writes `run()`
-as a short loop that reads top to bottom.
+Seeding, the Ray instance and resource manager, building the role clusters (in parallel), roles
+taking turns on shared devices (offload/reload), model-update pairs (training → inference weight
+sync), checkpoints with exact resume, the tracker and the progress bar. A subclass builds its
+clusters in `__init__` and writes `run()` as a short loop that reads top to bottom.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -109,7 +110,8 @@ def listen_on_loopback() -> None:
 
 
 class Pipeline:
-    """Base of the pipelines. `with self.timer(name):` times a stage into `timing_s/<name>`."""
+    """Base of the pipelines. `with self.timer(name):` times a stage into `timing_s/<name>`; `self.on_device(*roles)`
+    hands the devices that roles take turns on (`share_devices`) to `roles` before they compute."""
 
     def __init__(self, config, trainer: TrainerConfig):
         # Everything that can be checked without workers fails here, before Ray starts: the config, the models,
@@ -136,6 +138,8 @@ class Pipeline:
         self.checkpoint_clusters: list[str] = []
         self.update_pairs: list[ModelUpdatePair] = []
         self.timings: dict[str, float] = {}
+        self.resident: dict[str, bool] = {}  # role that takes turns on its devices -> whether it holds them now
+        self.role_devices: dict[str, set[int]] = {}  # every cluster's devices, while roles take turns
         self.global_step = 0
         self.last_saved_step: int | None = None
         self.resumed_from_step: int | None = None
@@ -179,13 +183,49 @@ class Pipeline:
         self.clusters.update(clusters)
         return clusters
 
+    def share_devices(self, turns: Sequence[Sequence[str]], never_offloaded: Sequence[str] = ()) -> None:
+        """Decide, by `trainer.offload_idle_roles`, which clusters take turns on their devices (`on_device`): the
+        roles of each of `turns` (groups of roles that compute in different phases) that share a device with a role
+        of another, but `never_offloaded` (roles fused into one process that share tensors). "auto" turns this on
+        where the devices are GPUs."""
+        setting = self.trainer.offload_idle_roles
+        if setting is False or (setting == "auto" and not on_gpus(self.manager)):
+            return
+        devices = {name: cluster_devices(cluster) for name, cluster in self.clusters.items()}
+        roles = time_sharing_roles(devices, turns, never_offloaded)
+        if setting is True and not roles:
+            warnings.warn("trainer.offload_idle_roles=true is ignored: no role that can be offloaded shares a device "
+                          f"with one that computes at another time ({describe_roles(self.config)}); give the rollout "
+                          "and the actor the same device_mapping to time-share devices", stacklevel=2)
+        self.resident = dict.fromkeys(roles, True)  # built on their devices
+        self.role_devices = devices
+
+    def on_device(self, *roles: str) -> None:
+        """Give `roles` their devices: offload each role that takes turns (`share_devices`), holds its devices and
+        shares one with `roles` (first, to free the memory), then reload those of `roles` that are offloaded. Names
+        that take no turns are passed over; so is everything when offloading is off. Timed as `timing_s/offload`
+        and `timing_s/reload`."""
+        wanted = {device for name in roles for device in self.role_devices.get(name, ())}
+        for name, here in self.resident.items():
+            if here and name not in roles and self.role_devices[name] & wanted:
+                with self.timer("offload"):
+                    self.clusters[name].offload()
+                self.resident[name] = False
+        for name in roles:
+            if self.resident.get(name) is False:
+                with self.timer("reload"):
+                    self.clusters[name].reload()
+                self.resident[name] = True
+
     # --- timing and logging -------------------------------------------------------------------
 
     @contextmanager
     def timer(self, name: str):
+        """Time the block into `timing_s/<name>`; a stage timed several times in a step adds up."""
         start = time.perf_counter()
         yield
-        self.timings[f"timing_s/{name}"] = time.perf_counter() - start
+        key = f"timing_s/{name}"
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -329,6 +369,25 @@ class Pipeline:
         for cluster in self.clusters.values():
             cluster.shutdown()
         self.manager.shutdown()
+
+
+def on_gpus(manager: ResourceManager) -> bool:
+    """Whether the model roles run on GPUs: Ray's slots are GPUs, or (local backend) this process sees CUDA."""
+    return torch.cuda.is_available() if manager.backend == "local" else manager.device_kind == "GPU"
+
+
+def cluster_devices(cluster: Cluster) -> set[int]:
+    """The device ids a cluster's workers use (none for CPU-only workers)."""
+    return {device for placement in cluster.placements for device in placement.device_ids}
+
+
+def time_sharing_roles(devices: dict[str, set[int]], turns: Sequence[Sequence[str]],
+                       never_offloaded: Sequence[str] = ()) -> list[str]:
+    """The roles (of those in `devices`: role -> device ids) of each turn that share a device with a role of another
+    turn, but `never_offloaded`."""
+    turns = [[name for name in turn if name in devices] for turn in turns]
+    return [name for i, turn in enumerate(turns) for name in turn if name not in never_offloaded
+            and any(devices[name] & devices[other] for j, others in enumerate(turns) if j != i for other in others)]
 
 
 def device_roles(config) -> dict[str, WorkerSettings]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from baton.config import ConfigError, find_file
@@ -235,10 +236,18 @@ class TrainerConfig:
     num_devices_per_node: int | None = None
     num_nodes: int | None = None
     progress_bar: bool = True
+    # Model roles whose devices overlap (device_mapping) take turns on them: the rollout is offloaded (vLLM: put to
+    # sleep) while the actor, reference and critic compute, and they are offloaded while it generates. "auto": on
+    # when such roles run on GPUs; true: on CPU too (where offloading frees nothing); false: every role keeps its
+    # device memory. A colocated actor and rollout (colocate_actor_rollout) share tensors and are never offloaded.
+    offload_idle_roles: bool | str = "auto"
 
     def __post_init__(self):
         if self.backend not in ("ray", "local"):
             raise ValueError(f"trainer.backend {self.backend!r} is not one of 'ray', 'local'")
+        if not (isinstance(self.offload_idle_roles, bool) or self.offload_idle_roles == "auto"):
+            raise ValueError(f"trainer.offload_idle_roles {self.offload_idle_roles!r} is not one of 'auto', true, "
+                             "false")
         for name in ("num_steps", "num_prompts_per_step", "sync_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1")
@@ -360,6 +369,9 @@ class SFTConfig:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
                               f"over the {workers} actor workers; make it a multiple of {workers}")
         _check_reward_fn(self.reward_fn, self.reward_on_error)
+        if self.trainer.offload_idle_roles is True:
+            warnings.warn("trainer.offload_idle_roles=true is ignored: SFT trains one role, which shares its devices "
+                          "with no other", stacklevel=2)
 
 
 def _absolute_if_found(path: str | None) -> str | None:

@@ -1,7 +1,9 @@
 """RLVR: reinforcement learning on verifiable rewards, GRPO (no critic) or PPO (critic + GAE).
 
 The loop: generate (and, for ReMax, a greedy baseline) → reward → old/ref log-probs (and values) → advantages →
-update → sync → validate → checkpoint. Copy `run()` to make a new algorithm.
+update → sync → validate → checkpoint. Roles on the same devices take turns on them (`on_device`: the rollout for
+generation, validation and the sync; the actor, reference and critic for their compute). Copy `run()` to make a new
+algorithm.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class RLVRPipeline(Pipeline):
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
                                             self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
+        # Roles on the same devices take turns (trainer.offload_idle_roles): the rollout generates, then the
+        # actor, reference and critic compute. Colocated actor and rollout share tensors: neither is offloaded.
+        self.share_devices([["rollout"], ["actor", "reference", "critic"]],
+                           never_offloaded=FUSED_POLICY["policy"] if config.colocate_actor_rollout else ())
         self.policy_loss = PolicyLoss(algo.policy_loss, policy_loss_settings(algo), algo.loss_agg_mode,
                                       algo.loss_scale_factor, algo.entropy_coeff,
                                       algo.kl_loss_coef if algo.use_kl_loss else 0.0, algo.kl_loss_estimator)
@@ -128,6 +134,7 @@ class RLVRPipeline(Pipeline):
         metrics: dict[str, float] = {}
         for step in self.training_steps("rlvr"):
             with self.timer("step"):
+                self.on_device("rollout")
                 with self.timer("gen"):
                     prompts = self.next_prompts()
                     batch = self.rollout.generate(prompts, self.config.sampling.params())
@@ -136,6 +143,7 @@ class RLVRPipeline(Pipeline):
                         baseline = self.rollout.generate(prompts, self.baseline_sampling)
                         baseline_rewards = self.reward.compute_rewards(baseline, apply_overlong_penalty=True)
                         batch.batch["reward_baselines"] = baseline_per_row(baseline, baseline_rewards, batch)
+                self.on_device("actor", "reference", "critic")
                 with self.timer("reward"):
                     rewards = self.reward.compute_rewards(batch, apply_overlong_penalty=True)  # overlong_buffer
                     batch = batch.union(rewards.select(None, [], []))  # scores, token_level_scores, reward_extra/*
@@ -156,8 +164,10 @@ class RLVRPipeline(Pipeline):
                 with self.timer("update_actor"):
                     actor_metrics = self.update(self.actor, batch, self.policy_loss)
                 if step % trainer.sync_every_steps == 0:
+                    self.on_device("actor", "rollout")  # an offloaded (asleep) vLLM takes no weights
                     with self.timer("sync"):
                         self.update_pairs[0].sync()
+                    self.on_device("rollout")
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
                        **adv_metrics, **_prefixed(actor_metrics, "actor/"),
                        **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
@@ -188,8 +198,13 @@ class RLVRPipeline(Pipeline):
         return metrics
 
     def validate(self) -> dict[str, float]:
+        self.on_device("rollout")
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
+
+    def do_checkpoint(self, step: int) -> str:
+        self.on_device("rollout", *self.checkpoint_clusters)  # saved from their devices; nothing saved is offloaded
+        return super().do_checkpoint(step)
 
 
 def baseline_per_row(baseline: DataProto, baseline_rewards: DataProto, batch: DataProto) -> torch.Tensor:

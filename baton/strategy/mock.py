@@ -2,7 +2,9 @@
 
 Responses are a fixed function of the prompt and the sample index; every log-prob (and value) is
 one learnable scalar, so `train_step` runs a real loss, backward pass and AdamW step on it, and
-weight sync and checkpoints have something to carry.
+weight sync and checkpoints have something to carry. `offload` / `reload` act as a device strategy's
+would for its caller: while offloaded, every call that reads or writes the weights refuses, so a
+pipeline that computes on (or syncs into, or saves) an offloaded role fails.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ class MockStrategy:
         self.optimizer = torch.optim.AdamW([self.scalar], lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                            weight_decay=opt.weight_decay)
         self.global_step = 0
+        self.offloaded = False
+
+    def _check_on_device(self, method: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"{method}() on an offloaded mock strategy; call reload() first")
 
     def _outputs(self, batch: DataProto) -> dict[str, torch.Tensor]:
         shape = batch.batch["responses"].shape
@@ -39,10 +46,12 @@ class MockStrategy:
         return out
 
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        self._check_on_device("forward")
         with torch.no_grad():
             return DataProto.from_dict({k: v.clone() for k, v in self._outputs(batch).items()})
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        self._check_on_device("generate")
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         vocab = len(self.tokenizer)
         prompt_ids = prompts.batch["input_ids"].repeat_interleave(params.n, 0)
@@ -63,6 +72,7 @@ class MockStrategy:
         return generation_output(prompts, params, responses, response_mask, log_probs, torch.tensor(stopped))
 
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
+        self._check_on_device("train_step")
         units = float(count_loss_units(batch.batch["response_mask"], loss_unit))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, metrics = loss_fn(self._outputs(batch), batch)
@@ -76,22 +86,26 @@ class MockStrategy:
                 **{key: total / max(count, 1.0) for key, (total, count) in sums_counts.items()}}
 
     def export_weights(self, bucket_bytes: int = 256 << 20):
+        self._check_on_device("export_weights")
         yield {"scalar": self.scalar.detach().clone()}
 
     def import_weights(self, buckets) -> None:
+        self._check_on_device("import_weights")
         for bucket in buckets:
             if set(bucket) != {"scalar"}:
                 raise ValueError(f"the mock strategy holds one weight, 'scalar'; got {sorted(bucket)}")
             self.scalar.data.copy_(bucket["scalar"])
 
     def offload(self) -> None:
-        """Nothing lives on an accelerator: no-op."""
+        """Nothing lives on an accelerator; until `reload`, the calls that touch the weights refuse."""
+        self.offloaded = True
 
     def reload(self) -> None:
-        """Nothing lives on an accelerator: no-op."""
+        self.offloaded = False
 
     def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
         """One state file, `mock_state.state`, in a directory written under a temporary name and renamed."""
+        self._check_on_device("save_checkpoint")
         if os.path.exists(path) and not overwrite:
             raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path")
         partial = path + ".partial"
@@ -105,6 +119,7 @@ class MockStrategy:
             os.replace(partial, path)
 
     def load_checkpoint(self, path: str) -> None:
+        self._check_on_device("load_checkpoint")
         state = load_state(os.path.join(path, "mock_state.state"))
         self.scalar.data.copy_(state["scalar"])
         self.optimizer.load_state_dict(state["optimizer"])
