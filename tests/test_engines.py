@@ -15,6 +15,7 @@ from baton.models import build_model
 from baton.models.tokenizer import CHAR_VOCAB_SIZE
 from baton.strategy import SamplingParams, StrategyConfig
 from baton.strategy.hf import HFStrategy
+from baton.strategy.sampling import row_seeds
 
 NEVER = CHAR_VOCAB_SIZE  # a stop id outside the vocabulary: rows run to max_new_tokens
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(NEVER,))
@@ -144,19 +145,38 @@ def test_a_running_batch_admits_new_requests_between_steps(strategy, prompt_ids)
         assert_same(result, row)
 
 
-def test_sampled_requests_equal_one_prompt_calls_with_their_seeds(strategy, prompt_ids):
-    """Each request samples with its own seeded generator: run concurrently (and with other sampling settings
-    in the batch), each equals a one-prompt batch call with that seed."""
-    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.2, top_p=0.8),
-                dict(temperature=1.0), dict(temperature=0.0), dict(temperature=1.0)]
-    params = [SamplingParams(max_new_tokens=16, stop_token_ids=(NEVER,), seed=100 + i, **s)
-              for i, s in enumerate(settings)]
-    expected = [batch_generate(strategy, [ids], p)[0] for ids, p in zip(prompt_ids, params)]
-    engine = make_engine(strategy)
-    requests = [GenerationRequest(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
-    results = asyncio.run(staggered(engine, requests))
+def test_sampled_requests_with_the_batch_path_row_seeds_equal_one_batch_call(strategy, prompt_ids):
+    """The batch path seeds row k with `row_seeds(generator, rows)[k]`: requests with those seeds, submitted one by
+    one into a running batch, give its tokens (a prompt's 3 samples share the prompt, not the seed)."""
+    params = SamplingParams(temperature=1.0, n=3, max_new_tokens=16, stop_token_ids=(NEVER,), seed=123)
+    expected = batch_generate(strategy, prompt_ids, params)
+    seeds = row_seeds(torch.Generator().manual_seed(123), len(expected))
+    one = [dataclasses.replace(params, n=1, seed=seed) for seed in seeds]
+    requests = [GenerationRequest(f"r{k}", prompt_ids[k // 3], one[k]) for k in range(len(expected))]
+    results = asyncio.run(staggered(make_engine(strategy), requests))
     for result, row in zip(results, expected):
         assert_same(result, row)
+    assert len({r.response_ids for r in results[:3]}) > 1  # a prompt's samples differ
+
+
+def test_a_request_samples_the_same_alone_or_beside_others(strategy, prompt_ids):
+    """Each request samples with its own seeded generator: run concurrently with other sampling settings beside it,
+    each gives what it gives alone in an engine."""
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.2, top_p=0.8),
+                dict(temperature=1.0), dict(temperature=0.0), dict(temperature=1.0)]
+    requests = [GenerationRequest(f"r{i}", ids, SamplingParams(max_new_tokens=16, stop_token_ids=(NEVER,),
+                                                               seed=100 + i, **s))
+                for i, (ids, s) in enumerate(zip(prompt_ids, settings))]
+    engine = make_engine(strategy)
+
+    async def alone():
+        return [await engine.generate(request) for request in requests]
+
+    expected = asyncio.run(alone())
+    results = asyncio.run(staggered(engine, [dataclasses.replace(r, request_id=f"again-{r.request_id}")
+                                             for r in requests]))
+    for result, row in zip(results, expected):
+        assert_same(result, (list(row.response_ids), list(row.log_probs), row.finish_reason))
     # The first and last requests share a prompt (and their prefill) but not a seed: different samples.
     assert results[0].response_ids != results[5].response_ids
 
@@ -393,7 +413,10 @@ def test_on_a_gpu_requests_equal_the_batch_path_and_sleep_releases_the_model(pro
               for i, t in enumerate([0.0, 1.0, 0.7])]
     expected = [batch_generate(strategy, [ids], p)[0] for ids, p in zip(prompt_ids, params)]
     engine = HFEngine(build_model("tiny-qwen2", seed=0).to(cuda), strategy.tokenizer)
-    requests = [GenerationRequest(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+    # The batch path's one row draws its seed from a CUDA generator seeded with params.seed.
+    seeds = [row_seeds(torch.Generator(cuda).manual_seed(p.seed), 1)[0] for p in params]
+    requests = [GenerationRequest(f"r{i}", ids, dataclasses.replace(p, seed=seed))
+                for i, (ids, p, seed) in enumerate(zip(prompt_ids, params, seeds))]
 
     async def run():
         first = await staggered(engine, requests)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from baton.models import load_tokenizer
+from baton.models import build_model, load_tokenizer
 from baton.pipelines.base import run_pipeline as run
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.losses import SFTLoss
@@ -112,4 +112,9 @@ def test_grpo_with_an_fsdp2_actor_on_two_workers_matches_hf_on_one(tmp_path, ray
     last = metrics_by_step(tmp_path / "hf")[NUM_STEPS]
     fsdp2_last = metrics_by_step(tmp_path / "fsdp2")[NUM_STEPS]
     print(f"actor/pg_loss at step {NUM_STEPS}: hf x1 {last['actor/pg_loss']:.7f}, fsdp2 x2 {fsdp2_last['actor/pg_loss']:.7f}")
-    assert last["actor/grad_norm"] > 0 and abs(last["actor/loss"]) > 1e-3
+    # The runs trained: gradients at the last step, and weights that moved from the initial ones (the loss itself can
+    # be 0 on every step: with responses of one length the group-normalised advantages average to 0 per token).
+    assert last["actor/grad_norm"] > 0
+    trained = load_file(tmp_path / "hf" / f"checkpoints/step_{NUM_STEPS}/actor/model.safetensors")
+    initial = {k: v for k, v in build_model("tiny-qwen2", seed=0).state_dict().items() if k in trained}  # tied head
+    assert max(max_weight_difference(trained, initial).values()) > 1e-4

@@ -37,6 +37,15 @@ class Sequence:
         self.log_probs = list(self.request.prefix_log_probs)
         self.weight_versions = list(self.request.prefix_weight_versions)
 
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        """What the model continues from: the prompt, then a resumed request's prefix (`DecodeBatch` reads it)."""
+        return self.request.prompt_ids + self.request.prefix_response_ids
+
+    @property
+    def params(self):
+        return self.request.params
+
     def result(self, finish_reason: FinishReason, engine_version: int) -> GenerationResult:
         version = self.weight_versions[-1] if self.weight_versions else engine_version
         return GenerationResult(self.request.request_id, tuple(self.response_ids), tuple(self.log_probs),

@@ -1,7 +1,7 @@
 """The HF strategy: one full model copy per worker, plain transformers + torch. The reference implementation.
 
-Runs on CPU or one GPU. Generation is a batched sampling loop with a KV cache over left-padded
-prompts; log-probs come from hidden states a chunk of tokens at a time; training accumulates
+Runs on CPU or one GPU. Generation runs the `hf` engine's sampling loop (`baton.strategy.sampling`) over the
+whole prompt batch; log-probs come from hidden states a chunk of tokens at a time; training accumulates
 gradients over micro-batches and normalises the loss by the batch's global unit count. With
 `compute_dtype` bfloat16 the float32 parameters compute under `torch.autocast`.
 `TorchStrategy` holds everything but generation; `Fsdp2Strategy` shares it by overriding the
@@ -367,8 +367,8 @@ class HFStrategy(TorchStrategy):
                              "tokenize with padding_side='left'")
         generator = self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
-        with self._autocast():
-            out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator)
+        out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator,
+                     self._autocast)
         return generation_output(prompts, params, out["responses"], out["response_mask"], out["rollout_log_probs"],
                                  out["stopped"])
 
