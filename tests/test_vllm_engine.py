@@ -291,7 +291,9 @@ def test_a_cancelled_generate_call_leaves_the_engine(engine, strategy, prompt_id
 def rollout():
     """One vllm strategy for the module: tiny-qwen2 with seed 0's weights. A test that changes them puts them back."""
     pytest.importorskip("vllm", reason=SKIP_REASON)
-    rollout = create_strategy(StrategyConfig(name="vllm", model="tiny-qwen2", seed=0), kv_cache_memory_bytes=64 << 20)
+    config = StrategyConfig(name="vllm", model="tiny-qwen2", seed=0,
+                            engine_kwargs={"kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 48})
+    rollout = create_strategy(config)
     yield rollout
     rollout.close()
 
@@ -425,6 +427,18 @@ def test_vllm_is_refused_for_roles_other_than_the_rollout(role):
     kind = "value" if role == "critic" else "causal_lm"
     config = vllm_rlvr(**{role: RoleConfig(strategy=StrategyConfig(name="vllm", kind=kind))})
     with pytest.raises(ConfigError, match=f"{role}.strategy.name is 'vllm', an inference engine.*{role}.strategy.name=hf"):
+        check_roles(config, config.trainer)
+
+
+@needs_vllm
+def test_the_config_engine_kwargs_reach_vllm(rollout):
+    settings = rollout.engine._engine.vllm_config
+    assert settings.cache_config.kv_cache_memory_bytes == 64 << 20 and settings.scheduler_config.max_num_seqs == 48
+
+
+def test_engine_kwargs_are_refused_for_strategies_that_take_none():
+    config = vllm_rlvr(actor=RoleConfig(strategy=StrategyConfig(engine_kwargs={"max_model_len": 64})))
+    with pytest.raises(ConfigError, match=r"actor.strategy.engine_kwargs \['max_model_len'\] are an inference engine's"):
         check_roles(config, config.trainer)
 
 

@@ -32,7 +32,7 @@ from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec,
 from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import TrainerConfig, WorkerSettings
 from baton.pipelines.data import load_datasets
-from baton.pipelines.preflight import check_roles
+from baton.pipelines.preflight import check_devices_per_worker, check_roles, model_roles
 from baton.tracking import Tracker, plot_run
 from baton.workers.weight_sync import ModelUpdatePair
 
@@ -134,6 +134,12 @@ class Pipeline:
         except LayoutError as e:
             raise LayoutError(f"{e}. The roles ask for {per_node} device slot(s) per node ({describe_roles(config)}): lower "
                               "their world_size / device_mapping, or run on a Ray cluster with more (--ray-address)") from e
+        if trainer.ray_address:  # the preflight could not know whether the joined cluster's slots are GPUs
+            try:
+                check_devices_per_worker(model_roles(config), has_gpus=self.manager.device_kind == "GPU")
+            except Exception:
+                self.manager.shutdown()
+                raise
         self.clusters: dict[str, Cluster] = {}
         self.checkpoint_clusters: list[str] = []
         self.update_pairs: list[ModelUpdatePair] = []

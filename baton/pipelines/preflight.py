@@ -32,6 +32,11 @@ def check_roles(config, trainer: TrainerConfig) -> None:
                 f"actor's weights, but trains nothing, exports no weights and saves no checkpoints, so it serves the "
                 f"rollout role only; use {name}.strategy.name=hf (or fsdp2) and keep {role.strategy.name!r} for "
                 "rollout.strategy.name")
+        if role.strategy.engine_kwargs and role.strategy.name not in INFERENCE_STRATEGIES:
+            raise ConfigError(
+                f"{name}.strategy.engine_kwargs {sorted(role.strategy.engine_kwargs)} are an inference engine's settings, "
+                f"but {name}.strategy.name is {role.strategy.name!r}, which takes none; remove them, or use "
+                f"{' / '.join(INFERENCE_STRATEGIES)} for the rollout")
     for name, role in roles.items():
         check_strategy(f"{name}.strategy", role.strategy)
         workers = role.num_workers(name)

@@ -85,6 +85,9 @@ class StrategyConfig:
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
     tokenizer: str | None = None  # local tokenizer directory; None: the shipped character tokenizer
+    # An inference engine's own settings (the `vllm` strategy: more `vllm.EngineArgs` fields, e.g. kv_cache_memory_bytes,
+    # gpu_memory_utilization, max_model_len, max_num_seqs); the other strategies take none.
+    engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # Found paths are kept absolute (read from the working directory, else beside the config file), so the run

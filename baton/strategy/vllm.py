@@ -61,7 +61,8 @@ class VLLMStrategy:
     import_weights: all buckets in one in-place reload (`VLLMEngine.update_weights`: the tied LM head is sent too,
         running requests recompute their KV cache); each import is a new weight version.
     offload / reload: vLLM's sleep / wake-up; on CPU vLLM has no sleep mode and both free nothing.
-    engine_kwargs: passed to `VLLMEngine.from_config` (e.g. `kv_cache_memory_bytes`, `max_num_seqs`).
+    engine_kwargs: passed to `VLLMEngine.from_config` (e.g. `kv_cache_memory_bytes`, `max_num_seqs`), over the config's
+        `engine_kwargs` (what a YAML file sets: `rollout.strategy.engine_kwargs`).
     A rollout worker of several GPUs (`num_devices_per_worker` > 1) runs one engine, tensor parallel over all of them
     (`VLLMEngine`'s `tensor_parallel_size` defaults to the GPUs the process sees); to the pipeline it is one
     data-parallel worker.
@@ -76,7 +77,7 @@ class VLLMStrategy:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer)
         # max_logprobs -1: forward at a temperature other than 1 needs the whole vocabulary's prompt log-probs.
-        self.engine = VLLMEngine.from_config(config, **{"max_logprobs": -1, **engine_kwargs})
+        self.engine = VLLMEngine.from_config(config, **{"max_logprobs": -1, **config.engine_kwargs, **engine_kwargs})
         self.generator = torch.Generator().manual_seed(config.seed)  # per-request seeds when params.seed is None
         # One event loop for every call: the engine's scheduler task lives on it between calls.
         self._loop = asyncio.new_event_loop()
