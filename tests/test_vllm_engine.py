@@ -28,7 +28,8 @@ from baton.models.tokenizer import CHAR_VOCAB_SIZE
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.preflight import check_roles
-from baton.strategy import SamplingParams, StrategyConfig, create_strategy
+from baton.strategy import (InferenceStrategy, ModelStrategy, RolloutStrategy, SamplingParams, StrategyConfig,
+                            create_strategy)
 from baton.strategy.hf import HFStrategy
 from baton.tracking.tracker import read_metrics
 from baton.workers.weight_sync import probe_batch
@@ -428,6 +429,12 @@ def test_vllm_is_refused_for_roles_other_than_the_rollout(role):
     config = vllm_rlvr(**{role: RoleConfig(strategy=StrategyConfig(name="vllm", kind=kind))})
     with pytest.raises(ConfigError, match=f"{role}.strategy.name is 'vllm', an inference engine.*{role}.strategy.name=hf"):
         check_roles(config, config.trainer)
+
+
+@needs_vllm
+def test_the_vllm_strategy_is_a_rollout_strategy_only(rollout):
+    assert isinstance(rollout, RolloutStrategy) and not isinstance(rollout, ModelStrategy)
+    assert isinstance(HFStrategy(StrategyConfig()), InferenceStrategy)
 
 
 @needs_vllm

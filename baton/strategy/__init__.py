@@ -9,6 +9,7 @@ from baton.strategy.base import (
     LossFn,
     ModelStrategy,
     OptimizerConfig,
+    RolloutStrategy,
     SamplingParams,
     SchedulerConfig,
     StrategyConfig,
@@ -38,6 +39,6 @@ def create_strategy(config: StrategyConfig, **kwargs):
 
 
 __all__ = [
-    "InferenceStrategy", "LossFn", "ModelStrategy", "OptimizerConfig", "STRATEGIES", "SamplingParams",
+    "InferenceStrategy", "LossFn", "ModelStrategy", "OptimizerConfig", "RolloutStrategy", "STRATEGIES", "SamplingParams",
     "SchedulerConfig", "StrategyConfig", "TrainStrategy", "create_strategy", "strategy_class",
 ]

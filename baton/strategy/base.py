@@ -1,7 +1,7 @@
 """What a strategy is: the protocols workers program against, their configuration, and the batch layout.
 
 A worker says *what* to compute; a strategy says *how* on one backend (HF transformers, FSDP2,
-mock; vLLM and SGLang later). Every strategy reads and writes `DataProto`s with these columns:
+mock; vLLM for rollouts only: `RolloutStrategy`). Every strategy reads and writes `DataProto`s with these columns:
 
 generate() input, one row per prompt:
     input_ids        [batch, prompt_len]  int64, LEFT padded with the pad id
@@ -191,8 +191,25 @@ class ModelStrategy(Protocol):
 
 
 @runtime_checkable
-class InferenceStrategy(ModelStrategy, Protocol):
+class RolloutStrategy(Protocol):
+    """What the rollout role calls: generation, log-probs of given responses (the weight-sync probe), the actor's
+    weights in, and offload/reload around training. A serving backend (`vllm`) implements only this: it trains
+    nothing, and its weights are the actor's, so it exports and checkpoints nothing."""
+
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto: ...
+
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto: ...
+
+    def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None: ...
+
+    def offload(self) -> None: ...
+
+    def reload(self) -> None: ...
+
+
+@runtime_checkable
+class InferenceStrategy(ModelStrategy, RolloutStrategy, Protocol):
+    """A model strategy that generates too (`hf`): a rollout whose model can also be exported and checkpointed."""
 
 
 @runtime_checkable

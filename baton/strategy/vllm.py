@@ -46,7 +46,7 @@ def require_vllm() -> None:
 
 
 class VLLMStrategy:
-    """A rollout on a `VLLMEngine` (vLLM in this process; see `baton.engines.vllm`).
+    """A rollout on a `VLLMEngine` (vLLM in this process; see `baton.engines.vllm`); implements `RolloutStrategy`.
 
     generate: one engine request per sample (`params.n` consecutive rows per prompt), all in flight at once, so vLLM
         batches them continuously; results are gathered in row order into the generate() layout (`baton.strategy.
