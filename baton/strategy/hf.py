@@ -369,8 +369,7 @@ class HFStrategy(TorchStrategy):
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
         out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator,
                      self._autocast)
-        return generation_output(prompts, params, out["responses"], out["response_mask"], out["rollout_log_probs"],
-                                 out["stopped"])
+        return generation_output(prompts, params, **out)
 
     def share_weights_from(self, other: "TorchStrategy") -> None:
         """Point this model's parameters at another in-process model's tensors: no copy (colocated roles)."""

@@ -237,16 +237,24 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     while pending or batch.rows:
         reasons.update((id(row), reason) for row, reason in batch.step(pending, version=0))
         pending = []
-    length = max((len(row.response_ids) for row in rows), default=0)
-    padding = [length - len(row.response_ids) for row in rows]
-    responses = [row.response_ids + [pad_token_id] * pad for row, pad in zip(rows, padding)]
-    log_probs = [row.log_probs + [0.0] * pad for row, pad in zip(rows, padding)]
-    response_mask = [[1] * (length - pad) + [0] * pad for pad in padding]
+    return padded_responses([row.response_ids for row in rows], [row.log_probs for row in rows],
+                            [reasons[id(row)] == "stop" for row in rows], pad_token_id)
+
+
+def padded_responses(response_ids: list, log_probs: list, stopped: list[bool], pad_token_id: int
+                     ) -> dict[str, torch.Tensor]:
+    """Per-sample token ids and log-probs (sequences of any lengths) as right-padded tensors: responses /
+    response_mask / rollout_log_probs [rows, longest] and `stopped` [rows] bool, on CPU."""
+    length = max((len(ids) for ids in response_ids), default=0)
+    padding = [length - len(ids) for ids in response_ids]
     return {
-        "responses": torch.tensor(responses, dtype=torch.long).view(len(rows), length),
-        "response_mask": torch.tensor(response_mask, dtype=torch.long).view(len(rows), length),
-        "rollout_log_probs": torch.tensor(log_probs, dtype=torch.float32).view(len(rows), length),
-        "stopped": torch.tensor([reasons[id(row)] == "stop" for row in rows], dtype=torch.bool),
+        "responses": torch.tensor([[*ids, *[pad_token_id] * pad] for ids, pad in zip(response_ids, padding)],
+                                  dtype=torch.long).view(len(padding), length),
+        "response_mask": torch.tensor([[1] * (length - pad) + [0] * pad for pad in padding],
+                                      dtype=torch.long).view(len(padding), length),
+        "rollout_log_probs": torch.tensor([[*lps, *[0.0] * pad] for lps, pad in zip(log_probs, padding)],
+                                          dtype=torch.float32).view(len(padding), length),
+        "stopped": torch.tensor(stopped, dtype=torch.bool).view(len(padding)),
     }
 
 

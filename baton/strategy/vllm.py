@@ -24,7 +24,7 @@ import torch
 from baton.data import DataProto
 from baton.models import load_tokenizer
 from baton.strategy.base import SamplingParams, StrategyConfig
-from baton.strategy.sampling import generation_output
+from baton.strategy.sampling import generation_output, padded_responses, row_seeds
 
 INSTALL_HINT = "install it with scripts/setup.sh --vllm"
 
@@ -108,7 +108,7 @@ class VLLMStrategy:
                              "tokenize with padding_side='left'")
         num_rows = len(prompts) * params.n
         generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        seeds = torch.randint(0, 2**62, (num_rows,), generator=generator).tolist()
+        seeds = row_seeds(generator, num_rows)
         call = next(self._request_ids)
         requests = [
             GenerationRequest(f"generate-{call}-{row}", input_ids[row // params.n][attention_mask[row // params.n].bool()].tolist(),
@@ -118,17 +118,9 @@ class VLLMStrategy:
         results = self._loop.run_until_complete(self._generate_all(requests))
         if any(result.finish_reason == "abort" for result in results):
             raise RuntimeError("the vllm engine aborted requests of a generate call (was it closed?)")
-        response_len = max((len(result.response_ids) for result in results), default=0)
-        responses = torch.full((num_rows, response_len), self.tokenizer.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(num_rows, response_len, dtype=torch.long)
-        log_probs = torch.zeros(num_rows, response_len, dtype=torch.float32)
-        for row, result in enumerate(results):
-            length = len(result.response_ids)
-            responses[row, :length] = torch.tensor(result.response_ids, dtype=torch.long)
-            response_mask[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(result.log_probs, dtype=torch.float32)
-        stopped = torch.tensor([result.finish_reason == "stop" for result in results], dtype=torch.bool)
-        return generation_output(prompts, params, responses, response_mask, log_probs, stopped)
+        out = padded_responses([r.response_ids for r in results], [r.log_probs for r in results],
+                               [r.finish_reason == "stop" for r in results], self.tokenizer.pad_token_id)
+        return generation_output(prompts, params, **out)
 
     async def _generate_all(self, requests: list) -> list:
         return await asyncio.gather(*(self.engine.generate(request) for request in requests))
