@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationResult
+from baton.engines.protocol import GenerationRequest, GenerationResult
 from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
 from baton.strategy.sampling import DecodeBatch
@@ -80,10 +80,6 @@ class HFEngine(ServingLoop):
         """On a GPU, sleep moves the model to CPU memory and frees the KV cache (empty: nothing may run). On CPU
         there is nothing to release (a no-op but for holding steps until `wake_up`)."""
         return self.device.type == "cuda"
-
-    async def health(self) -> EngineHealth:
-        return EngineHealth(self._error is None, self._num_running, len(self._waiting), self._paused, self._sleeping,
-                            self._weight_version, None if self._error is None else repr(self._error))
 
     # --- the executor's work ------------------------------------------------------------------------
 

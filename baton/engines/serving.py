@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from baton.engines.protocol import FinishReason, GenerationRequest, GenerationResult
+from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
 
 
 @dataclass(eq=False)
@@ -127,6 +127,15 @@ class ServingLoop:
         return results
 
     # --- control ------------------------------------------------------------------------------------
+
+    async def health(self) -> EngineHealth:
+        num_running, num_waiting = (0, 0) if self._error is not None else await self._queue_counts()
+        return EngineHealth(self._error is None, num_running, num_waiting, self._paused, self._sleeping,
+                            self._weight_version, None if self._error is None else repr(self._error))
+
+    async def _queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests for `health`: this loop's own bookkeeping, unless the backend queues too."""
+        return self._num_running, len(self._waiting)
 
     async def pause(self) -> None:
         self._paused = True

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from baton.engines.protocol import EngineHealth, FinishReason, GenerationRequest, GenerationResult
+from baton.engines.protocol import FinishReason, GenerationRequest, GenerationResult
 from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
 
@@ -145,10 +145,10 @@ class VLLMEngine(ServingLoop):
                              "reports the log-probs of the filtered distribution, not the temperature-scaled one a "
                              "trainer recomputes; use the hf engine for filtered sampling")
 
-    async def health(self) -> EngineHealth:
-        num_running, num_waiting = (0, 0) if self._error is not None else await self._run(self._request_counts)
-        return EngineHealth(self._error is None, num_running, num_waiting + len(self._waiting), self._paused,
-                            self._sleeping, self._weight_version, None if self._error is None else repr(self._error))
+    async def _queue_counts(self) -> tuple[int, int]:
+        """vLLM's scheduler's running and waiting requests, and the waiting ones not yet handed to it."""
+        num_running, num_waiting = await self._run(self._request_counts)
+        return num_running, num_waiting + len(self._waiting)
 
     async def run_on_engine(self, fn, *args):
         """`fn(llm_engine, *args)` in the engine's thread, after any step in flight, for work the `Engine` protocol does
