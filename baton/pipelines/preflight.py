@@ -45,9 +45,6 @@ def check_roles(config, trainer: TrainerConfig) -> None:
                 f"{name}.strategy.name is 'hf' with {workers} {name} workers: the 'hf' strategy keeps an independent model "
                 f"per worker, so they would drift apart; use {name}.strategy.name=fsdp2 to train one model over "
                 f"{workers} workers, or {name}.world_size=1")
-    machine = local_machine(trainer)
-    if machine is not None:  # a cluster joined by address: its GPUs are unknown until Ray connects
-        check_devices_per_worker(roles, has_gpus=machine[1] > 0)
     check_machine(config, trainer)
 
 
@@ -128,14 +125,16 @@ def check_model_dir(key: str, path: str, names: list[str]) -> None:
 
 
 def check_machine(config, trainer: TrainerConfig) -> None:
-    """On a local Ray instance (the one the pipeline starts, or one already running): the roles' device slots and
-    CPU-only workers fit. A cluster joined by address is checked by the resource manager when it reserves."""
+    """On a local Ray instance (the one the pipeline starts, or one already running): the roles' devices per worker
+    suit their strategies (`check_devices_per_worker`), and their device slots and CPU-only workers fit. A cluster
+    joined by address is checked by the pipeline once the resource manager has reserved on it."""
     from baton.pipelines.base import describe_roles, devices_needed
 
     machine = local_machine(trainer)
     if machine is None:
         return
     cpus, gpus, where = machine
+    check_devices_per_worker(model_roles(config), has_gpus=gpus > 0)
     num_nodes = trainer.num_nodes or 1
     slots = (trainer.num_devices_per_node or devices_needed(config, num_nodes)) * num_nodes
     cpu_only = {name: role for name, role in vars(config).items()
