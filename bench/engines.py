@@ -190,7 +190,8 @@ def sampling_params() -> SamplingParams:
                           seed=SEED)
 
 
-def bench_model(name: str, engines: list[str], reps: Reps, threads: int) -> dict:
+def bench_model(name: str, engines: list[str], quick: bool, threads: int) -> dict:
+    reps = Reps.for_mode(quick)
     strategy = HFStrategy(StrategyConfig(name="hf", model=MODELS[name], seed=SEED))
     params = sampling_params()
     prompts = make_prompts(torch.Generator().manual_seed(SEED))
@@ -200,7 +201,7 @@ def bench_model(name: str, engines: list[str], reps: Reps, threads: int) -> dict
     for engine in engines:
         if engine in IN_CHILD:
             batch_s = timed_calls(batch_call, reps)  # the batch path just before the child, on the same machine state
-            figures[engine] = bench_in_child(engine, name, threads, reps == Reps.for_mode(True))
+            figures[engine] = bench_in_child(engine, name, threads, quick)
         else:
             batch_s, figures[engine] = bench_engine(ENGINES[engine], MODELS[name], strategy, prompts, params, reps,
                                                     batch_call)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = Reps.for_mode(args.quick)
     figures = {"os_cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "quick": args.quick,
                "repetitions": dataclasses.asdict(reps), "load_average_1min": {"start": os.getloadavg()[0]},
-               "models": {name: bench_model(name, engines, reps, args.threads) for name in models}}
+               "models": {name: bench_model(name, engines, args.quick, args.threads) for name in models}}
     figures["load_average_1min"]["end"] = os.getloadavg()[0]
     primary = figures["models"].get("small-qwen2", next(iter(figures["models"].values())))
     figures["hf_batch_tokens_per_s"] = primary["hf_batch"]["tokens_per_s"]
