@@ -1,5 +1,5 @@
 """Pure tensor functions of RL post-training: advantage estimators, policy and value losses, KL
-estimators, loss aggregation and masked statistics. Tensors are [batch, response_len];
+estimators, loss aggregation, off-policy rollout corrections and masked statistics. Tensors are [batch, response_len];
 `response_mask` is 1 on real response tokens; names and semantics follow verl."""
 
 from baton.algorithms.advantages import (
@@ -53,15 +53,23 @@ from baton.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
+from baton.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    compute_rollout_correction,
+    get_rollout_correction,
+    register_rollout_correction,
+    rollout_correction_params,
+)
 from baton.algorithms.utils import masked_mean, masked_var, masked_whiten
 
 __all__ = [
-    "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES", "AdaptiveKLController",
-    "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty", "cispo_loss", "clip_cov_loss",
-    "compute_advantages", "compute_policy_loss", "count_loss_units", "entropy_loss", "estimator_needs",
-    "estimator_params", "gae", "gdpo", "get_adv_estimator", "get_kl_estimator", "get_policy_loss", "gpg", "gpg_loss",
-    "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss", "kl_penalty", "loss_unit", "masked_mean", "masked_var",
-    "masked_whiten", "num_loss_units", "opo", "policy_loss_params", "ppo_clip_loss", "register_adv_estimator",
-    "register_kl_estimator", "register_policy_loss", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-    "remax", "rloo", "value_loss",
+    "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES", "ROLLOUT_CORRECTIONS",
+    "AdaptiveKLController", "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty", "cispo_loss",
+    "clip_cov_loss", "compute_advantages", "compute_policy_loss", "compute_rollout_correction", "count_loss_units",
+    "entropy_loss", "estimator_needs", "estimator_params", "gae", "gdpo", "get_adv_estimator", "get_kl_estimator",
+    "get_policy_loss", "get_rollout_correction", "gpg", "gpg_loss", "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss",
+    "kl_penalty", "loss_unit", "masked_mean", "masked_var", "masked_whiten", "num_loss_units", "opo",
+    "policy_loss_params", "ppo_clip_loss", "register_adv_estimator", "register_kl_estimator", "register_policy_loss",
+    "register_rollout_correction", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
+    "rollout_correction_params", "value_loss",
 ]

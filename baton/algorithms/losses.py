@@ -6,7 +6,8 @@ sum form, multiply by `num_loss_units(response_mask, loss_agg_mode)` (see `aggre
 Metrics are Python floats computed over the valid tokens. Names follow verl's `policy_loss.loss_mode`:
 "vanilla" (PPO clip), "gspo", "cispo", "gpg", "clip_cov", "kl_cov". Every loss
 honours the `loss_agg_mode` it is given, so the strategy's normaliser (`loss_unit(loss_agg_mode)`)
-always matches.
+always matches, and `token_weights` [batch, response_len] (no gradient; e.g. `rollout_correction`'s importance
+weights), which multiply its per-token loss before aggregation without changing the normaliser.
 """
 
 from __future__ import annotations
@@ -47,14 +48,22 @@ def compute_policy_loss(
     old_log_probs: torch.Tensor,  # [batch, response_len]
     advantages: torch.Tensor,  # [batch, response_len]
     response_mask: torch.Tensor,  # [batch, response_len]
+    token_weights: torch.Tensor | None = None,  # [batch, response_len], no gradient; None: weight 1
     **params,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Run a registered policy loss with the `params` its signature names (`loss_agg_mode`,
     `clip_ratio_low`, `clip_cov_ratio`, ...), so a pipeline can pass every configured setting
-    without branching on the loss. Use `policy_loss_params(name)` to warn about settings a loss ignores."""
+    without branching on the loss. Use `policy_loss_params(name)` to warn about settings a loss ignores.
+    `token_weights` multiply the per-token loss; a loss that does not take them refuses them."""
     fn = get_policy_loss(name)
     accepted = policy_loss_params(name)
-    return fn(log_probs, old_log_probs, advantages, response_mask, **{k: v for k, v in params.items() if k in accepted})
+    kwargs = {k: v for k, v in params.items() if k in accepted}
+    if token_weights is not None:
+        if "token_weights" not in accepted:
+            raise ValueError(f"policy loss {name!r} takes no token_weights, so it cannot apply a rollout correction; "
+                             "add a `token_weights` parameter that multiplies its per-token loss")
+        kwargs["token_weights"] = token_weights
+    return fn(log_probs, old_log_probs, advantages, response_mask, **kwargs)
 
 
 def policy_loss_params(name: str) -> frozenset[str]:
@@ -68,6 +77,11 @@ def _masked_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     """(log_probs, advantages, log ratio), each 0 off the mask; the log ratio clamped to ±20, which keeps exp finite."""
     log_probs, old_log_probs = masked(log_probs, response_mask), masked(old_log_probs, response_mask)
     return log_probs, masked(advantages, response_mask), (log_probs - old_log_probs).clamp(min=-20.0, max=20.0)
+
+
+def _weighted(pg_losses: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    """The per-token loss times `token_weights` (detached here, so they scale the gradient and never receive one)."""
+    return pg_losses if token_weights is None else pg_losses * token_weights.detach()
 
 
 def _clipped_surrogate(advantages: torch.Tensor, ratio: torch.Tensor, clip_ratio_low: float,
@@ -87,6 +101,7 @@ def ppo_clip_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual clip (verl's "vanilla"), r = exp(log_probs - old_log_probs):
 
@@ -113,7 +128,7 @@ def ppo_clip_loss(
             "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
             "pg_clipfrac_lower": float(masked_mean(dual_clipped.float(), response_mask)),
         }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+    return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 @register_policy_loss("gspo")
@@ -126,6 +141,7 @@ def gspo_loss(
     clip_ratio_high: float = 4e-4,
     loss_agg_mode: str = "seq-mean-token-mean",
     loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (arXiv 2507.18071): PPO's clipped surrogate on the sequence-level ratio
     s = exp(mean over the valid tokens of (log_probs - old_log_probs)). Per token the ratio is
@@ -150,7 +166,7 @@ def gspo_loss(
             "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
             "pg_clipfrac_lower": 0.0,
         }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+    return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 @register_policy_loss("cispo")
@@ -163,6 +179,7 @@ def cispo_loss(
     clip_ratio_high: float = 0.2,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585), as verl: loss = -sg(clip(r, 1 - low, 1 + high))·A·log π,
     so every token keeps a gradient (through log π) and the clipped importance weight only scales
@@ -178,7 +195,7 @@ def cispo_loss(
             "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
             "pg_clipfrac_lower": 0.0,
         }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+    return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 @register_policy_loss("gpg")
@@ -189,11 +206,12 @@ def gpg_loss(
     response_mask: torch.Tensor,  # [batch, response_len]
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG (arXiv 2504.02546), as verl: the plain policy gradient loss -A·log π, no ratio, no clip
     (pair it with the "gpg" advantage estimator). No metrics."""
     pg_losses = -masked(advantages, response_mask) * masked(log_probs, response_mask)
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), {}
+    return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), {}
 
 
 def _token_covariance(advantages: torch.Tensor, log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -215,6 +233,7 @@ def clip_cov_loss(
     clip_cov_ub: float = 5.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (arXiv 2505.22617, verl): PPO's clipped surrogate (no dual clip), except that up to
@@ -243,7 +262,7 @@ def clip_cov_loss(
             "ppo_kl": float(masked_mean(-log_ratio, response_mask)),
         }
     pg_losses = torch.maximum(losses, losses_clipped) * keep
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+    return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 @register_policy_loss("kl_cov")
@@ -256,6 +275,7 @@ def kl_cov_loss(
     ppo_kl_coef: float = 1.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (arXiv 2505.22617, verl): the unclipped surrogate -A·r, plus ppo_kl_coef·|log π - log π_old|
     on the max(1, int(kl_cov_ratio · valid tokens)) valid tokens of largest covariance
@@ -276,7 +296,7 @@ def kl_cov_loss(
             penalised.view(-1)[top] = True
         metrics = {"ppo_kl": float(masked_mean(log_ratio.abs(), response_mask))}
     pg_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), metrics
+    return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 def value_loss(

@@ -212,6 +212,14 @@ class AlgorithmConfig:
     # and their weights (None: 1 each). Unset: the reward is the one component.
     gdpo_reward_keys: list[str] | None = None
     gdpo_reward_weights: list[float] | None = None
+    # Off-policy correction of the policy loss by the rollout engine's log-probs (a name in
+    # baton.algorithms.ROLLOUT_CORRECTIONS): none; token_tis / seq_tis (weights capped at rollout_is_cap);
+    # token_mask / seq_mask / geo_mask (weight 0 outside [rollout_mask_low, rollout_mask_high]); decoupled (AReaL:
+    # weight proximal/behaviour, tokens above rollout_is_cap dropped). Any but none computes the old log-probs.
+    rollout_correction: str = "none"
+    rollout_is_cap: float | None = 2.0  # None: uncapped
+    rollout_mask_low: float = 0.5
+    rollout_mask_high: float = 2.0
 
 
 @dataclass
@@ -283,7 +291,8 @@ class RLVRConfig:
 
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
-        from baton.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_UNITS, POLICY_LOSSES, estimator_needs
+        from baton.algorithms import (ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_UNITS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
+                                      estimator_needs, policy_loss_params)
 
         algo, trainer, num_samples = self.algorithm, self.trainer, self.sampling.num_samples_per_prompt
         _check_data(self.data)
@@ -293,6 +302,19 @@ class RLVRConfig:
         _check_choice("algorithm.kl_reward_estimator", algo.kl_reward_estimator, KL_ESTIMATORS)
         _check_choice("algorithm.policy_loss", algo.policy_loss, POLICY_LOSSES)
         _check_choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
+        _check_choice("algorithm.rollout_correction", algo.rollout_correction, ROLLOUT_CORRECTIONS)
+        if algo.rollout_is_cap is not None and algo.rollout_is_cap < 1.0:
+            raise ConfigError(f"algorithm.rollout_is_cap={algo.rollout_is_cap} is below 1, so even on-policy tokens "
+                              "(weight 1) would be capped or dropped; use 2.0 (verl) to 10.0, or null for no cap")
+        if not 0.0 <= algo.rollout_mask_low <= 1.0 <= algo.rollout_mask_high or (
+                algo.rollout_mask_low == algo.rollout_mask_high):
+            raise ConfigError(f"algorithm.rollout_mask_low={algo.rollout_mask_low} and rollout_mask_high="
+                              f"{algo.rollout_mask_high} must satisfy 0 <= low <= 1 <= high, low < high, so that "
+                              "on-policy samples (ratio 1) are kept; e.g. 0.5 and 2.0")
+        if algo.rollout_correction != "none" and "token_weights" not in policy_loss_params(algo.policy_loss):
+            raise ConfigError(f"algorithm.policy_loss {algo.policy_loss!r} takes no token_weights, so "
+                              f"algorithm.rollout_correction {algo.rollout_correction!r} cannot weigh it; use "
+                              "rollout_correction: none, or a loss that takes them")
         if algo.loss_scale_factor is not None and algo.loss_agg_mode != "seq-mean-token-sum-norm":
             raise ConfigError(f"algorithm.loss_scale_factor applies to loss_agg_mode 'seq-mean-token-sum-norm' only, "
                               f"not {algo.loss_agg_mode!r}; unset it or change the mode")

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.algorithms import (
-    agg_loss, compute_policy_loss, count_loss_units, entropy_loss, kl_penalty, loss_unit, num_loss_units, value_loss,
+    agg_loss, compute_policy_loss, compute_rollout_correction, count_loss_units, entropy_loss, kl_penalty, loss_unit,
+    num_loss_units, value_loss,
 )
 from baton.algorithms.utils import masked_count
 from baton.data import DataProto
@@ -34,7 +35,9 @@ def token_metric(mean: float, mask: torch.Tensor) -> tuple[float, float]:
 class PolicyLoss:
     """A policy loss by name (baton.algorithms.POLICY_LOSSES: vanilla PPO clip, gspo, cispo, gpg, clip_cov,
     kl_cov), + optional entropy bonus and KL-to-reference loss, in sum form. `settings` go to the loss that
-    takes them (`policy_loss_params`)."""
+    takes them (`policy_loss_params`). A `rollout_correction` other than "none" (baton.algorithms.ROLLOUT_CORRECTIONS)
+    weighs the policy loss's tokens by the rollout log-probs against the old ones, with the `correction_settings`
+    it takes (`rollout_correction_params`); the batch must then hold `old_log_probs` and `rollout_log_probs`."""
 
     policy_loss: str = "vanilla"
     settings: dict = field(default_factory=dict)
@@ -43,6 +46,8 @@ class PolicyLoss:
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0  # 0: no KL loss term
     kl_loss_estimator: str = "k3"
+    rollout_correction: str = "none"
+    correction_settings: dict = field(default_factory=dict)
 
     @property
     def entropy_grad(self) -> bool:
@@ -58,11 +63,17 @@ class PolicyLoss:
         old_log_probs = batch.batch.get("old_log_probs")
         if old_log_probs is None:
             old_log_probs = outputs["log_probs"].detach()
+        token_weights, correction_metrics = None, {}
+        if self.rollout_correction != "none":  # "none" needs neither column and leaves the loss as it is
+            token_weights, correction_metrics = compute_rollout_correction(
+                self.rollout_correction, self._column(batch, "old_log_probs"), self._column(batch, "rollout_log_probs"),
+                mask, **self.correction_settings)
         loss, metrics = compute_policy_loss(self.policy_loss, outputs["log_probs"], old_log_probs,
-                                            batch.batch["advantages"], mask, **self.settings, **agg)
-        # The policy losses' own metrics are means over the valid tokens.
+                                            batch.batch["advantages"], mask, token_weights=token_weights,
+                                            **self.settings, **agg)
+        # The policy losses' own metrics are means over the valid tokens; the correction's are (sum, count) already.
         out = {"actor/pg_loss": unit_metric(loss, mask, self.loss_agg_mode),
-               **{f"actor/{k}": token_metric(float(v), mask) for k, v in metrics.items()}}
+               **{f"actor/{k}": token_metric(float(v), mask) for k, v in metrics.items()}, **correction_metrics}
         entropy = entropy_loss(outputs["entropy"], mask, **agg)
         out["actor/entropy"] = unit_metric(entropy, mask, self.loss_agg_mode)
         if self.entropy_coeff:
@@ -73,6 +84,16 @@ class PolicyLoss:
             loss = loss + self.kl_loss_coef * kl
             out["actor/kl"] = unit_metric(kl, mask, self.loss_agg_mode)
         return loss * num_loss_units(mask, self.loss_agg_mode), out
+
+    def _column(self, batch: DataProto, name: str) -> torch.Tensor:
+        if name not in batch.batch:
+            where = {"old_log_probs": "the actor's log-probs before the update, which the RLVR pipeline computes when "
+                                      "a rollout correction is on",
+                     "rollout_log_probs": "the rollout engine's log-probs of its samples, which its generate returns"}
+            raise ValueError(f"rollout_correction {self.rollout_correction!r} needs the batch column {name!r} "
+                             f"({where[name]}), and this batch has only {sorted(batch.batch.keys())}; add it, or set "
+                             "algorithm.rollout_correction: none")
+        return batch.batch[name]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from baton.algorithms import (AdaptiveKLController, apply_kl_penalty, compute_advantages, estimator_needs, loss_unit,
-                              policy_loss_params)
+                              policy_loss_params, rollout_correction_params)
 from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
 from baton.pipelines.base import Pipeline
@@ -61,7 +61,8 @@ class RLVRPipeline(Pipeline):
                            never_offloaded=FUSED_POLICY["policy"] if config.colocate_actor_rollout else ())
         self.policy_loss = PolicyLoss(algo.policy_loss, policy_loss_settings(algo), algo.loss_agg_mode,
                                       algo.loss_scale_factor, algo.entropy_coeff,
-                                      algo.kl_loss_coef if algo.use_kl_loss else 0.0, algo.kl_loss_estimator)
+                                      algo.kl_loss_coef if algo.use_kl_loss else 0.0, algo.kl_loss_estimator,
+                                      algo.rollout_correction, rollout_correction_settings(algo))
         self.value_loss = ValueLoss(algo.cliprange_value, algo.loss_agg_mode, algo.loss_scale_factor)
         self.kl_ctrl = (AdaptiveKLController(algo.kl_reward_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
                         if algo.use_kl_in_reward and algo.kl_ctrl.type == "adaptive" else None)
@@ -72,16 +73,18 @@ class RLVRPipeline(Pipeline):
         # One update per batch is on-policy: the loss detaches the current log-probs instead (as TRL does).
         # Several epochs or mini-batches move the weights between updates, the KL reward penalty needs the
         # log-probs before the update, and with sync_every_steps > 1 they measure how far the rollout's older
-        # weights are from the actor's (rollout/logprob_diff).
+        # weights are from the actor's (rollout/logprob_diff); a rollout correction weighs the loss by them.
         stale = config.trainer.sync_every_steps > 1 and not config.colocate_actor_rollout  # colocated: shared tensors
+        corrected = algo.rollout_correction != "none"
         self.needs_old_log_probs = (algo.num_ppo_epochs > 1 or algo.num_mini_batches_per_step > 1
-                                    or algo.use_kl_in_reward or stale)
-        if stale:
+                                    or algo.use_kl_in_reward or stale or corrected)
+        if stale and not corrected:
             warnings.warn(
                 f"trainer.sync_every_steps={config.trainer.sync_every_steps}: the rollout samples with weights up to "
                 f"{config.trainer.sync_every_steps - 1} update(s) older than the actor's, and the loss does not correct "
                 "for it (its ratio is against the actor's own log-probs); rollout/logprob_diff/mean and max show the "
-                "gap. Use sync_every_steps=1 for on-policy training", StaleSamplesWarning, stacklevel=2)
+                "gap. Use sync_every_steps=1 for on-policy training, or an algorithm.rollout_correction",
+                StaleSamplesWarning, stacklevel=2)
         self.maybe_resume()
 
     def pipeline_state(self) -> dict:
@@ -243,6 +246,19 @@ def policy_loss_settings(algo) -> dict:
     if ignored:
         warnings.warn(f"algorithm.policy_loss {algo.policy_loss!r} takes none of {ignored}; they are ignored",
                       stacklevel=3)
+    return settings
+
+
+def rollout_correction_settings(algo) -> dict:
+    """The algorithm's rollout-correction settings; one changed from its default that the chosen correction does
+    not take is ignored with a warning."""
+    names = ("rollout_is_cap", "rollout_mask_low", "rollout_mask_high")
+    settings = {name: getattr(algo, name) for name in names}
+    taken, defaults = rollout_correction_params(algo.rollout_correction), AlgorithmConfig()
+    ignored = [n for n in names if n not in taken and settings[n] != getattr(defaults, n)]
+    if ignored:
+        warnings.warn(f"algorithm.rollout_correction {algo.rollout_correction!r} takes none of {ignored}; they are "
+                      "ignored", stacklevel=3)
     return settings
 
 
