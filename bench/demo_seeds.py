@@ -1,10 +1,11 @@
 """The default demo (`baton run`) for several seeds: does GRPO's lift over the SFT checkpoint hold on every one?
 
 Each seed runs as its own `baton run seed=N` process, as a user would run it (Ray start-up included in
-its wall time), into `RUN_DIR/seed_N`. Prints one row per seed: the SFT checkpoint's held-out accuracy,
-the final accuracy after GRPO, the lift in points and the wall time; then the spread. `--threads N` gives
-every worker N torch threads (the rounding of the kernels changes with it), `--quick` runs fewer steps
-(a smoke run: its lifts are not the demo's), extra `key=value` arguments go to every run.
+its wall time), into `RUN_DIR/seed_N`, replacing that seed's earlier run there (`overwrite=true`). Prints
+one row per seed: the SFT checkpoint's held-out accuracy, the final accuracy after GRPO, the lift in
+points and the wall time; then the spread. `--threads N` gives every worker N torch threads (the
+rounding of the kernels changes with it), `--quick` runs fewer steps (a smoke run: its lifts are not
+the demo's), extra `key=value` arguments go to every run.
 
     .venv/bin/python bench/demo_seeds.py [--seeds 0 1 2 3 4] [--threads 1] [--quick] [--json out.json] [--check] [key=value ...]
 """
@@ -37,7 +38,8 @@ def cpu_model() -> str:
 
 def run_seed(seed: int, run_dir: str, overrides: list[str]) -> dict:
     """One `baton run` of the demo; its summary, wall time and the per-validation accuracies of both stages."""
-    command = [sys.executable, "-m", "baton.cli", "run", f"seed={seed}", f"run_dir={run_dir}", *overrides]
+    command = [sys.executable, "-m", "baton.cli", "run", f"seed={seed}", f"run_dir={run_dir}", "overwrite=true",
+               *overrides]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

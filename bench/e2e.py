@@ -100,7 +100,7 @@ def sft_checkpoint(run_dir: str, fresh: bool) -> str:
         val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=VAL_MAX_NEW_TOKENS, num_samples_per_prompt=1),
         trainer=TrainerConfig(num_steps=SFT_STEPS, num_prompts_per_step=SFT_PROMPTS_PER_STEP, val_every_steps=SFT_STEPS,
                               val_before_train=False, save_every_steps=SFT_STEPS, keep_last_checkpoints=1, seed=SEED,
-                              run_dir=sft_dir, backend="local", progress_bar=False),
+                              run_dir=sft_dir, overwrite=True, backend="local", progress_bar=False),
     )
     run_pipeline(SFTPipeline, config)
     assert list_checkpoints(sft_dir)[-1].endswith(f"step_{SFT_STEPS}")

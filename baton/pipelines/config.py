@@ -236,6 +236,9 @@ class TrainerConfig:
     seed: int = 0
     run_dir: str = "runs/rlvr"
     resume: str | None = None  # "latest", a checkpoint directory, or None
+    # A new run (resume null) into a run_dir that holds a previous run's metrics, summary or checkpoints is refused;
+    # true: that run's metrics.jsonl, summary.json, metrics.png and checkpoints are removed first (nothing else).
+    overwrite: bool = False
     tracker: list[str] = field(default_factory=lambda: ["jsonl"])
     backend: str = "ray"  # "ray" or "local" (everything in the driver's process)
     ray_address: str | None = None
@@ -253,6 +256,9 @@ class TrainerConfig:
     def __post_init__(self):
         if self.backend not in ("ray", "local"):
             raise ValueError(f"trainer.backend {self.backend!r} is not one of 'ray', 'local'")
+        if self.overwrite and self.resume is not None:
+            raise ValueError(f"trainer.overwrite=true would remove the run that trainer.resume={self.resume!r} "
+                             "continues; set one of them")
         if not (isinstance(self.offload_idle_roles, bool) or self.offload_idle_roles == "auto"):
             raise ValueError(f"trainer.offload_idle_roles {self.offload_idle_roles!r} is not one of 'auto', true, "
                              "false")

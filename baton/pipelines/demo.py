@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from baton.config import ConfigError
-from baton.pipelines.base import list_checkpoints, run_pipeline
+from baton.pipelines.base import list_checkpoints, previous_run, remove_previous_run, run_dir_in_use, run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
     DataConfig,
@@ -71,12 +71,15 @@ class DemoConfig:
     Each stage writes under `run_dir/<stage>` (shown as its `trainer.run_dir`).
     resume: "latest" continues an interrupted demo: a finished SFT stage is not rerun, and each stage
     resumes from its latest checkpoint.
+    overwrite: a new demo into a run_dir that holds a previous one is refused; true removes that run's
+        metrics, summaries, plots and checkpoints (of both stages) first.
     """
 
     pipeline_cls: str = "baton.pipelines.demo:DemoPipeline"
     run_dir: str = "runs/demo"
     seed: int | None = 0
     resume: str | None = None
+    overwrite: bool = False
     data: DataConfig = field(default_factory=_demo_data)
     sft: SFTConfig = field(default_factory=_sft_default)
     rlvr: RLVRConfig = field(default_factory=_rlvr_default)
@@ -87,6 +90,9 @@ class DemoConfig:
                              "checkpoint, set sft.trainer.resume or rlvr.trainer.resume to its path")
         for name in ("sft", "rlvr"):
             trainer = getattr(self, name).trainer
+            if (self.overwrite or trainer.overwrite) and (self.resume or trainer.resume):
+                raise ValueError(f"{name} stage: overwrite=true would remove the run that resume="
+                                 f"{self.resume or trainer.resume!r} continues; set one of them")
             # Its defaults, or a stage directory of a demo config as `baton config` prints it.
             if trainer.run_dir not in (TrainerConfig.run_dir, SFTConfig().trainer.run_dir) and \
                     os.path.basename(os.path.normpath(trainer.run_dir)) != name:
@@ -114,9 +120,10 @@ class DemoConfig:
             holder.seed = seed
 
     def stage(self, name: str):
-        """Stage `name`'s config with the shared data, its run directory under ours, and our resume."""
+        """Stage `name`'s config with the shared data, its run directory under ours, and our resume and overwrite."""
         config = getattr(self, name)
-        trainer = dataclasses.replace(config.trainer, resume=self.resume or config.trainer.resume)
+        trainer = dataclasses.replace(config.trainer, resume=self.resume or config.trainer.resume,
+                                      overwrite=self.overwrite or config.trainer.overwrite)
         return dataclasses.replace(config, data=config.data or self.data, trainer=trainer)
 
 
@@ -124,8 +131,22 @@ class DemoPipeline:
     config_cls = DemoConfig
 
     def __init__(self, config: DemoConfig):
+        # Both stage directories are checked before either stage runs, and cleared (overwrite) before the first
+        # does, so that no later resume=latest finds a checkpoint of the run replaced.
+        trainers = [config.stage(name).trainer for name in ("sft", "rlvr")]
+        held = [f"{os.path.basename(t.run_dir)}/{what}" for t in trainers if t.resume is None and not t.overwrite
+                for what in previous_run(t.run_dir)]
+        if config.resume is None and not config.overwrite:
+            held += previous_run(config.run_dir)  # the demo's own summary.json
+        if held:
+            raise run_dir_in_use(f"run_dir {config.run_dir!r}", ", ".join(held), "")
         self.dry_run(config)
         self.config = config
+        for trainer in trainers:
+            if trainer.overwrite:
+                remove_previous_run(trainer.run_dir)
+        if config.overwrite:
+            remove_previous_run(config.run_dir)
 
     @classmethod
     def dry_run(cls, config: DemoConfig) -> None:
