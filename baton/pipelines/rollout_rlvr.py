@@ -1,0 +1,209 @@
+"""RLVR on the rollout system (slime's programming model): a pool of inference engines behind a router, a data source
+with a buffer, over-sampling with dynamic filtering, partial rollouts, and generation that runs ahead of training
+(`rollout_system.mode`: sync, one_step_off, async) within a staleness bound.
+
+The loop: the step's groups (generated now, by the rollout started during the last step, or taken from the
+continuous producer) → training batch (staleness-checked) → old/ref log-probs and values → advantages → update →
+weights into the engines in place → validate → checkpoint. The algorithm is `RLVRPipeline`'s; only where the
+samples come from differs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from baton.config import ConfigError
+from baton.datasets import PromptDataset
+from baton.pipelines.base import Pipeline, on_gpus
+from baton.pipelines.config import RLVRConfig, RoleConfig
+from baton.pipelines.data import load_prompt_file
+from baton.pipelines.policy import probe_tolerance
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.rollout import RolloutDataSource, Sample
+from baton.rollout.config import RolloutSystemConfig
+from baton.rollout.engine_worker import EngineWorker
+from baton.rollout.manager import RolloutManager
+from baton.workers import ActorWorker, CriticWorker, ReferenceWorker
+from baton.workers.weight_sync import probe_batch
+
+
+@dataclass
+class RolloutRLVRConfig(RLVRConfig):
+    """`RLVRConfig` with the rollout system (`rollout_system`; see `RolloutSystemConfig`). The rollout role's workers
+    are the engine pool: `rollout.world_size` engines of `rollout.num_devices_per_worker` devices each.
+    eval_files: further held-out sets, name -> a jsonl/parquet file with the data's keys, each logged as
+    `eval/{name}/...` (the data's own val set is `val/...`)."""
+
+    pipeline_cls: str = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
+    rollout_system: RolloutSystemConfig = field(default_factory=RolloutSystemConfig)
+    eval_files: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        super().check()
+        if self.colocate_actor_rollout:
+            raise ConfigError("colocate_actor_rollout fuses the actor with a rollout worker; the rollout system's "
+                              "engines are workers of their own: give them the actor's device_mapping to share its "
+                              "devices instead")
+        if self.rollout.strategy.name not in ("hf", "vllm"):
+            raise ConfigError(f"rollout.strategy.name {self.rollout.strategy.name!r}: the rollout system's engines run "
+                              "'hf' or 'vllm'")
+        if self.baseline_rollout_needed():
+            raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
+                              "rollout, which the rollout system does not generate; use grpo, rloo, gae, ...")
+
+    def baseline_rollout_needed(self) -> bool:
+        from baton.algorithms import estimator_needs
+
+        return estimator_needs(self.algorithm.adv_estimator).baseline_rollout
+
+
+def engine_roles(rollout: RoleConfig) -> dict[str, RoleConfig]:
+    """One role per engine, `rollout_<i>`, each a single worker on its share of the rollout role's devices."""
+    count, per_engine = rollout.num_workers("rollout"), max(rollout.num_devices_per_worker, 1)
+    mapping = rollout.device_mapping or list(range(count * per_engine))
+    return {f"rollout_{i}": dataclasses.replace(rollout, world_size=1,
+                                                device_mapping=mapping[i * per_engine:(i + 1) * per_engine])
+            for i in range(count)}
+
+
+class RolloutRLVRPipeline(RLVRPipeline):
+    config_cls = RolloutRLVRConfig
+
+    def __init__(self, config: RolloutRLVRConfig):
+        config = config.with_run_schedules()
+        Pipeline.__init__(self, config, config.trainer)
+        system, algo = config.rollout_system, config.algorithm
+        roles = {"actor": (ActorWorker, config.actor, (config.actor.strategy,))}
+        if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
+            reference = config.reference or config.actor
+            roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
+        if config.critic is not None:
+            roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
+        engines = engine_roles(config.rollout)
+        roles.update({name: (EngineWorker, role, (role.strategy, system.max_num_seqs_per_engine))
+                      for name, role in engines.items()})
+        clusters = self.create_clusters(roles)
+        self.actor, self.reference, self.critic = clusters["actor"], clusters.get("reference"), clusters.get("critic")
+        self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
+        self.build_algorithm(config, stale=False)
+        # Samples generated by older weights are the point of the asynchronous modes: the old log-probs (the
+        # proximal policy) are recomputed so rollout/logprob_diff shows the gap and a rollout correction can weigh it.
+        self.needs_old_log_probs = self.needs_old_log_probs or system.mode != "sync"
+        data = config.data
+        source = RolloutDataSource(self.train_data, self.tokenizer, config.sampling.num_samples_per_prompt,
+                                   seed=config.trainer.seed, max_prompt_len=data.max_prompt_len,
+                                   buffer_filter=system.buffer_filter)
+        eval_sets: dict[str, PromptDataset] = {"val": self.val_data} if self.val_data is not None else {}
+        eval_sets.update({name: load_prompt_file(data, path, self.tokenizer) for name, path in config.eval_files.items()})
+        self.rollouts = RolloutManager(
+            system, [clusters[name] for name in engines], source, self.tokenizer,
+            dataclasses.replace(config.sampling.params(), n=1), config.trainer.num_prompts_per_step,
+            reward_fn=config.reward_fn, reward_on_error=config.reward_on_error,
+            reward_num_processes=config.reward.num_processes_per_worker,
+            reward_timeout_s_per_row=config.reward.timeout_s_per_row, probe=self.make_probe(),
+            probe_atol=probe_tolerance(config.actor, config.rollout), eval_sets=eval_sets,
+            eval_sampling_params=config.val_sampling.params(seed=0), max_prompt_len=data.max_prompt_len,
+            engines_on_gpu=on_gpus(self.manager))
+        self.rollouts.update_weights(self.actor, version=0)
+        self.next_rollout: concurrent.futures.Future | None = None  # one_step_off: the next step's, running
+        self.maybe_resume()
+
+    def make_probe(self):
+        data = self.val_data if self.val_data is not None and len(self.val_data) else self.train_data
+        examples = [data[i] for i in range(min(4, len(data)))]
+        return probe_batch(self.tokenizer, [str(e[data.prompt_key]) + str(e[data.answer_key]) for e in examples], 1)
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def pipeline_state(self) -> dict:
+        """Besides RLVR's: the data source (its buffer and the partial samples in it) and, in one_step_off mode, the
+        next step's rollout, finished first."""
+        state = {**super().pipeline_state(), "rollouts": self.rollouts.state_dict(), "next_rollout": None}
+        if self.next_rollout is not None:
+            groups, metrics = self.next_rollout.result()
+            state["next_rollout"] = {"groups": [[s.to_dict() for s in g] for g in groups], "metrics": metrics}
+        return state
+
+    def load_pipeline_state(self, state: dict) -> None:
+        super().load_pipeline_state(state)
+        self.rollouts.load_state_dict(state["rollouts"])
+        saved = state.get("next_rollout")
+        if saved is not None:
+            groups = [[Sample.from_dict(d) for d in g] for g in saved["groups"]]
+            self.next_rollout = concurrent.futures.Future()
+            self.next_rollout.set_result((groups, saved["metrics"]))
+
+    def maybe_resume(self) -> None:
+        super().maybe_resume()
+        if self.resumed_from_step is not None:
+            self.rollouts.update_weights(self.actor, version=self.global_step)
+
+    def do_checkpoint(self, step: int) -> str:
+        """In async mode the producer stops first (what runs is aborted into the buffer, what is ready goes back to
+        its front), so the checkpoint holds every sample; it starts again after."""
+        continuous = self.rollouts._producer is not None
+        if continuous:
+            self.rollouts.stop_continuous()
+        path = Pipeline.do_checkpoint(self, step)
+        if continuous and step < self.trainer.num_steps:
+            self.rollouts.start_continuous()
+        return path
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def next_groups(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        mode = self.config.rollout_system.mode
+        if mode == "async":
+            return self.rollouts.take()
+        if self.next_rollout is not None:  # one_step_off: started during the last step (or saved with it)
+            groups, metrics = self.next_rollout.result()
+            self.next_rollout = None
+        else:
+            groups, metrics = self.rollouts.generate(step)
+        if mode == "one_step_off" and step < self.trainer.num_steps:
+            self.next_rollout = self.rollouts.generate_async(step + 1)
+        return groups, metrics
+
+    def run(self) -> dict:
+        trainer, system = self.config.trainer, self.config.rollout_system
+        tracker = self.make_tracker()
+        start = time.perf_counter()
+        first_val = self.first_validation()
+        if system.mode == "async" and self.global_step < trainer.num_steps:
+            self.rollouts.start_continuous()
+        metrics: dict[str, float] = {}
+        for step in self.training_steps("rlvr"):
+            with self.timer("step"):
+                with self.timer("gen"):  # the wait for the step's samples (what generation did not overlap)
+                    groups, rollout_metrics = self.next_groups(step)
+                    batch, data_metrics = self.rollouts.to_training_data(
+                        groups, trained_version=step - 1, temperature=self.config.sampling.temperature)
+                batch, train_metrics = self.train_on(batch)
+                with self.timer("sync"):
+                    sync_metrics = self.rollouts.update_weights(self.actor, version=step)
+            metrics = {**self.rollout_metrics(batch), **rollout_metrics, **data_metrics, **train_metrics,
+                       **sync_metrics, **self.timings}
+            if self.signal_watch is not None:
+                self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
+            self.end_step(step, metrics, "reward", "critic/score/mean")
+        tracker.close()
+        return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
+
+    def validate(self) -> dict[str, float]:
+        """The val set's metrics as `val/...` (as RLVR logs them), the further eval sets' as `eval/{name}/...`."""
+        metrics = {}
+        for name, values in self.rollouts.eval(self.global_step).items():
+            prefix = "val/" if name == "val" else f"eval/{name}/"
+            metrics.update({prefix + key: value for key, value in values.items()})
+        return metrics
+
+    def shutdown(self) -> None:
+        if hasattr(self, "rollouts"):
+            self.rollouts.close()
+        super().shutdown()
+
+
+__all__ = ["RolloutRLVRConfig", "RolloutRLVRPipeline", "engine_roles"]

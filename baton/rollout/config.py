@@ -1,0 +1,86 @@
+"""`RolloutSystemConfig`: how the rollout system generates a step's samples and how far generation runs ahead of
+training (`mode`). Functions are import paths ("package.module:function"), loaded when the manager starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("sync", "one_step_off", "async")
+
+
+@dataclass
+class RolloutSystemConfig:
+    """The rollout system's settings (`rollout_system:` in an RLVR config run by `RolloutRLVRPipeline`).
+
+    mode: "sync" generates step N's samples, then trains on them; "one_step_off" generates step N+1's while step N
+        trains (its tokens are at most one version old); "async" generates continuously, admitting a prompt group
+        only while the samples ahead of it keep it within `max_staleness`.
+    max_staleness: (async) the most policy versions between the weights that sampled a token and the weights that
+        train on it, checked when a group is trained: a group past it is dropped (`rollout/num_dropped/stale`)
+        and its prompt goes back to the buffer.
+    rollout_function: slime's contract, `fn(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`
+        (a coroutine function or a plain one); `args` is the manager's `RolloutContext`.
+    generate_function: per sample, `async fn(args, sample, params) -> Sample` (None: one engine request, resumed
+        from the sample's partial response). reward_function: `fn(args, sample) -> float | dict` (a coroutine
+        function or a plain one; None: the pipeline's `reward_fn` over the decoded response).
+    over_sampling_factor: prompt groups started per group the step needs (DAPO's over-sampling); groups that pass
+        `dynamic_filter` (`fn(args, group) -> bool | (bool, reason)`; None keeps every group) are kept until the step
+        has enough, and the rest are aborted and go back to the buffer.
+    partial_rollout: aborted samples keep their tokens, log-probs and versions and continue from there when drawn
+        again; off, they go back to the buffer as fresh prompts. mask_stale_partial_tokens: a resumed sample's tokens
+        from before its last resume are masked out of the loss.
+    buffer_filter: which buffered groups `get_samples` takes (see `RolloutDataSource`).
+    abort_timeout_s: the longest an abort waits for engines and reward functions before it gives up on a group
+        (the group goes back to the buffer). reward_timeout_s: one group's reward, at most (None: no limit); a
+        group past it is dropped (`rollout/num_dropped/reward_timeout`).
+    watchdog_s: a step that gets no finished group for this long stops with an error naming the silent engines.
+    save_rollouts: a path template with `{rollout_id}`: every rollout's groups are written there (jsonl).
+    load_rollouts: a path template: train on the saved rollouts instead of generating (train-only mode).
+    """
+
+    mode: str = "sync"
+    max_staleness: int = 1
+    rollout_function: str = "baton.rollout.functions:generate_rollout"
+    generate_function: str | None = None
+    reward_function: str | None = None
+    over_sampling_factor: float = 1.0
+    dynamic_filter: str | None = None
+    partial_rollout: bool = False
+    mask_stale_partial_tokens: bool = False
+    buffer_filter: str | None = None
+    abort_timeout_s: float = 30.0
+    reward_timeout_s: float | None = 60.0
+    watchdog_s: float = 600.0
+    save_rollouts: str | None = None
+    load_rollouts: str | None = None
+    # The router: one poll of an engine waits this long for a result; health checked this often; a request retried
+    # on this many further engines when its engine dies.
+    poll_s: float = 0.02
+    health_interval_s: float = 5.0
+    max_retries: int = 2
+    max_num_seqs_per_engine: int = 256
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"rollout_system.mode {self.mode!r} is not one of {MODES}")
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout_system.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ValueError("rollout_system.mode 'async' with max_staleness 0 cannot overlap generation and "
+                             "training; use mode 'sync', or max_staleness >= 1")
+        if self.over_sampling_factor < 1.0:
+            raise ValueError(f"rollout_system.over_sampling_factor must be >= 1 (groups started per group needed), "
+                             f"got {self.over_sampling_factor}")
+        for name in ("abort_timeout_s", "watchdog_s", "poll_s", "health_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout_system.{name} must be > 0, got {getattr(self, name)}")
+        if self.reward_timeout_s is not None and self.reward_timeout_s <= 0:
+            raise ValueError(f"rollout_system.reward_timeout_s must be > 0 (or null: no limit), got "
+                             f"{self.reward_timeout_s}")
+        for name in ("save_rollouts", "load_rollouts"):
+            template = getattr(self, name)
+            if template is not None and "{rollout_id}" not in template:
+                raise ValueError(f"rollout_system.{name} {template!r} must contain '{{rollout_id}}' (e.g. "
+                                 "runs/x/rollouts/{rollout_id}.jsonl)")
+        if self.mask_stale_partial_tokens and not self.partial_rollout:
+            raise ValueError("rollout_system.mask_stale_partial_tokens needs partial_rollout: true")

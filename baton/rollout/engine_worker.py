@@ -1,0 +1,135 @@
+"""`EngineWorker`: one inference engine of the rollout system's pool, served request by request from a worker.
+
+A worker's methods run one at a time, so none of them waits on generation: `submit` hands requests to the engine
+and returns, `poll` returns the results finished since the last poll (waiting at most `max_wait_s` for one), and
+`abort`, `pause`, weights and health go in between. The engine runs on an event loop in a thread of its own
+(`LoopThread`), so it keeps generating between calls. Each engine is a cluster of one worker (a tensor-parallel
+vLLM engine is one worker over several GPUs), so the router can take out and restart one without the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+from dataclasses import dataclass
+
+from baton.data import DataProto
+from baton.distributed import Dispatch, Worker, register
+from baton.engines.loop import LoopThread
+from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationResult
+from baton.strategy import StrategyConfig, create_strategy
+from baton.strategy.logprobs import sampling_temperature
+from baton.workers.model import _fetch
+
+ENGINE_STRATEGIES = ("hf", "vllm")
+CONTROL_TIMEOUT_S = 120.0  # abort, pause, health, sleep: each returns at a decode-step boundary
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request the engine refused or failed on (a bad request, or the engine's step raised): `error` says why."""
+
+    request_id: str
+    error: str
+
+
+class EngineWorker(Worker):
+    """An engine built from a rollout role's `StrategyConfig`: `hf` (the shipped sampling loop, continuously batched,
+    over the hf strategy's model) or `vllm`. The strategy stays beside it for what serving does not do: the
+    log-probs of the sync probe (`compute_log_probs`, run while the engine is paused)."""
+
+    def __init__(self, config: StrategyConfig, max_num_seqs: int = 256):
+        if config.name not in ENGINE_STRATEGIES:
+            raise ValueError(f"a rollout engine runs strategy 'hf' or 'vllm', not {config.name!r}; set "
+                             "rollout.strategy.name")
+        self.config = config
+        if config.name == "vllm":
+            self.strategy = create_strategy(config, max_num_seqs=max_num_seqs)
+            self.engine, self.runner = self.strategy.engine, self.strategy.runner
+        else:
+            from baton.engines.hf import HFEngine
+
+            self.strategy = create_strategy(config)
+            self.engine = HFEngine(self.strategy.hf_model, self.strategy.tokenizer, seed=config.seed,
+                                   max_num_seqs=max_num_seqs, compute_dtype=config.mixed_precision_dtype)
+            self.runner = LoopThread("hf-engine")
+        self._done: queue.Queue = queue.Queue()  # results and failures, filled by the loop thread
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """Start generating `requests`; their results come out of `poll`."""
+        for request in requests:
+            future = self.runner.submit(self.engine.generate(request))
+            future.add_done_callback(functools.partial(self._finished, request.request_id))
+
+    def _finished(self, request_id: str, future) -> None:
+        try:
+            self._done.put(future.result())
+        except BaseException as error:  # a refused request or a failed step: the router decides what to do
+            self._done.put(RequestFailure(request_id, repr(error)))
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def poll(self, max_wait_s: float = 0.05) -> list[GenerationResult | RequestFailure]:
+        """What finished since the last poll, waiting at most `max_wait_s` for the first one."""
+        try:
+            items = [self._done.get(timeout=max_wait_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._done.get_nowait())
+            except queue.Empty:
+                return items
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def abort(self, request_ids: list[str]) -> list[GenerationResult]:
+        """Stop these requests and return what each generated so far (they also come out of `poll` once)."""
+        return self.runner.run(self.engine.abort(request_ids), CONTROL_TIMEOUT_S)
+
+    # --- control -----------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def health(self) -> EngineHealth:
+        return self.runner.run(self.engine.health(), CONTROL_TIMEOUT_S)
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def pause(self) -> None:
+        self.runner.run(self.engine.pause(), CONTROL_TIMEOUT_S)
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def resume(self) -> None:
+        self.runner.run(self.engine.resume(), CONTROL_TIMEOUT_S)
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def import_weights(self, buckets: list, version: int | None = None) -> None:
+        """Load buckets made by `ModelWorker.export_weights` in place, between decode steps, as weight `version`
+        (None: the engine's + 1). Requests in flight go on with the new weights."""
+        version = self.engine.weight_version + 1 if version is None else version
+        self.runner.run(self.engine.update_weights((_fetch(b).tensors for b in buckets), version), timeout_s=None)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_probs(self, batch: DataProto) -> DataProto:
+        """The sync probe: log-probs of given responses by the engine's weights (see `ModelUpdatePair.check`). The
+        engine is paused meanwhile (the hf engine's model is the strategy's), and resumed after if it was running."""
+        was_paused = self.runner.run(self.engine.health(), CONTROL_TIMEOUT_S).paused
+        self.pause()
+        try:
+            return self.strategy.forward(batch, temperature=sampling_temperature(batch))
+        finally:
+            if not was_paused:
+                self.resume()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload(self) -> None:
+        """The engine's sleep (GPU memory released; on CPU only steps held): no request may be in flight."""
+        self.runner.run(self.engine.sleep(), CONTROL_TIMEOUT_S)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload(self) -> None:
+        self.runner.run(self.engine.wake_up(), CONTROL_TIMEOUT_S)

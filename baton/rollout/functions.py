@@ -1,0 +1,183 @@
+"""The shipped rollout functions (slime's contract: `fn(args, rollout_id, data_source, evaluation=False) ->
+list[list[Sample]]`, `args` the manager's `RolloutContext`) and the pieces they are made of, for custom ones to reuse:
+one sample's generation, one group's generation and reward, the dynamic filter.
+
+`generate_rollout` is DAPO's over-sampling with dynamic filtering: it starts `over_sampling_factor` times the
+groups the step needs, keeps those that pass the filter until it has enough, then aborts the rest (bounded by
+`abort_timeout_s`) and puts them back in the buffer: with partial rollouts they keep what they generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import statistics
+from collections import Counter
+
+from baton.engines.protocol import GenerationRequest
+from baton.rollout.reward import RewardTimeout
+from baton.rollout.sample import TRAINABLE, Sample, Status
+from baton.strategy import SamplingParams
+
+_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class RolloutStalledError(TimeoutError):
+    """No group finished within the watchdog's time: the message names the silent engines and the stage."""
+
+
+async def generate_sample(args, sample: Sample, params: SamplingParams) -> Sample:
+    """One engine request for `sample` (seeded by `sample.seed`), continued from its partial response if it has one:
+    the engine bounds the whole response by `params.max_new_tokens`. Sets the response, its log-probs, versions and
+    status; with `mask_stale_partial_tokens` the tokens made before this resume get loss mask 0."""
+    if sample.status in TRAINABLE:  # generated already (a surplus group put back into the buffer)
+        return sample
+    prefix = len(sample.response_ids)
+    if prefix >= params.max_new_tokens:
+        sample.status = Status.TRUNCATED
+        return sample
+    request = GenerationRequest(args.request_id(sample), sample.prompt_ids,
+                                dataclasses.replace(params, n=1, seed=sample.seed),
+                                sample.response_ids, sample.rollout_log_probs, sample.weight_versions)
+    result = await args.generate_request(request)
+    mask = sample.loss_mask  # None: all ones
+    if prefix and args.config.mask_stale_partial_tokens:
+        mask = [0] * prefix
+    if mask is not None:
+        mask = list(mask) + [1] * (len(result.response_ids) - prefix)
+    sample.loss_mask = mask
+    sample.response_ids, sample.rollout_log_probs = list(result.response_ids), list(result.log_probs)
+    sample.weight_versions = list(result.weight_versions)
+    sample.status = _STATUS[result.finish_reason]
+    sample.response = args.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    if prefix:
+        sample.metadata["num_resumes"] = sample.metadata.get("num_resumes", 0) + 1
+    return sample
+
+
+async def generate_group(args, group: list[Sample], params: SamplingParams) -> list[Sample]:
+    """Every sample of the group (concurrently), then its reward, unless a sample was aborted (the group is then
+    returned unrewarded, to go back to the buffer)."""
+    await asyncio.gather(*(args.generate(sample, params) for sample in group))
+    if all(sample.status in TRAINABLE for sample in group) and any(s.reward is None for s in group):
+        await args.reward(group)
+    return group
+
+
+def nonzero_reward_std(args, group: list[Sample]) -> tuple[bool, str]:
+    """DAPO's dynamic filter: keep a group whose rewards differ (a group of equal rewards teaches GRPO nothing)."""
+    scores = [sample.score() for sample in group]
+    return (len(scores) > 1 and statistics.pstdev(scores) > 0), "zero_std"
+
+
+async def generate_rollout_async(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    """`args.num_groups_per_step` groups that pass the dynamic filter (see the module docstring). Rollout N is
+    trained by step N, at weight version N - 1: a buffered group staler than that allows goes back as a fresh
+    prompt (`rollout/num_dropped/stale`)."""
+    config, params = args.config, args.sampling_params
+    needed = args.num_groups_per_step
+    running: dict[asyncio.Task, list[Sample]] = {}
+    kept: list[list[Sample]] = []
+    drops: Counter = Counter()
+
+    def start(count: int) -> None:
+        groups = data_source.get_samples(count)
+        for group in groups:
+            running[asyncio.ensure_future(generate_group(args, group, params))] = group
+        args.metrics["rollout/num_groups_started"] = args.metrics.get("rollout/num_groups_started", 0.0) + len(groups)
+
+    start(math.ceil(needed * config.over_sampling_factor))
+    while len(kept) < needed:
+        if len(kept) + len(running) < needed:  # the filter dropped too many: start more
+            start(math.ceil((needed - len(kept)) * config.over_sampling_factor) - len(running))
+        done, _ = await asyncio.wait(running, timeout=config.watchdog_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            raise RolloutStalledError(args.describe_stall(f"rollout {rollout_id}: no group finished within "
+                                                          f"{config.watchdog_s:g} s (rollout_system.watchdog_s)"))
+        for task in done:
+            group = running.pop(task)
+            try:
+                task.result()
+            except RewardTimeout:
+                drops["reward_timeout"] += 1
+                continue
+            if len(kept) >= needed:
+                data_source.add_samples([group])  # surplus: finished after the step had enough
+                continue
+            if too_stale(group, rollout_id - 1, config.max_staleness):  # a surplus group of an earlier step
+                for sample in group:
+                    reset_sample(sample, keep_tokens=False)
+                data_source.add_samples([group])
+                drops["stale"] += 1
+                continue
+            keep, reason = args.keep(group)
+            if keep:
+                kept.append(group)
+            else:
+                drops[reason] += 1
+    await abort_groups(args, running, data_source)
+    args.metrics.update({f"rollout/num_dropped/{reason}": float(count) for reason, count in drops.items()})
+    return kept
+
+
+async def abort_groups(args, running: dict[asyncio.Task, list[Sample]], data_source) -> None:
+    """Abort the groups still running and put them back in the buffer: with partial rollouts as they stand (their
+    tokens kept), else as fresh prompts. Waits at most `abort_timeout_s` (a reward still running is given up on)."""
+    if not running:
+        return
+    args.abort([sample for group in running.values() for sample in group])
+    done, pending = await asyncio.wait(running, timeout=args.config.abort_timeout_s)
+    for task in pending:
+        task.cancel()
+    for task, group in running.items():
+        if task in done and not task.cancelled() and task.exception() is None and all(
+                s.status in TRAINABLE and s.reward is not None for s in group):
+            data_source.add_samples([group])  # it finished anyway: surplus
+            continue
+        for sample in group:
+            if sample.status not in TRAINABLE or not args.config.partial_rollout:
+                reset_sample(sample, keep_tokens=args.config.partial_rollout)
+        data_source.add_samples([group])
+    args.metrics["rollout/num_aborted_groups"] = float(len(running))
+
+
+def too_stale(group: list[Sample], trained_version: int, max_staleness: int) -> bool:
+    """Whether a token of the group was sampled more than `max_staleness` versions before `trained_version`."""
+    return max(sample.staleness(trained_version) for sample in group) > max_staleness
+
+
+def reset_sample(sample: Sample, keep_tokens: bool) -> None:
+    """Make a sample drawable again: PENDING, unrewarded; its partial response kept or dropped."""
+    sample.status, sample.reward = Status.PENDING, None
+    if not keep_tokens:
+        sample.response, sample.response_ids, sample.loss_mask = "", [], None
+        sample.rollout_log_probs, sample.weight_versions = [], []
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    """The default rollout function (slime's contract), run on the manager's event loop."""
+    return args.run(generate_rollout_async(args, rollout_id, data_source, evaluation))
+
+
+def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    """SFT through the rollout machinery (slime's `sft_rollout`): no generation; each prompt's sample is its
+    dataset response (metadata `response`, the data's sft response field), tokenized with an eos, rewarded 1."""
+    groups = data_source.get_samples(args.num_groups_per_step)
+    eos = args.tokenizer.eos_token_id
+    for group in groups:
+        for sample in group:
+            if "response" not in sample.metadata:
+                raise ValueError(f"{sample.where()}: sft_rollout needs the dataset response in the sample's metadata "
+                                 "('response'); give the data a response field (data.response_key)")
+            ids = args.tokenizer(str(sample.metadata["response"]), add_special_tokens=False)["input_ids"] + [eos]
+            sample.response = str(sample.metadata["response"])
+            sample.response_ids, sample.loss_mask = ids, None
+            sample.rollout_log_probs, sample.weight_versions = [0.0] * len(ids), [args.weight_version] * len(ids)
+            sample.status, sample.reward = Status.COMPLETED, 1.0
+    return groups
+
+
+__all__ = ["RolloutStalledError", "abort_groups", "generate_group", "generate_rollout", "generate_rollout_async",
+           "generate_sample", "nonzero_reward_std", "reset_sample", "sft_rollout", "too_stale"]
+

@@ -1,0 +1,393 @@
+"""`RolloutManager`: slime's rollout manager and controller in one object on the driver. It owns the router over the
+engine pool, the data source with its buffer, the reward, and an event loop (in a thread of its own) on which the
+rollout functions run; the trainer asks it for a step's groups, gives it new weights, and checkpoints its state.
+
+Three ways to run beside training (`RolloutSystemConfig.mode`): `generate(rollout_id)` (sync), `generate_async`
+(one_step_off: the next step's rollout runs while this one trains), and `start_continuous` / `take` (async:
+groups are generated continuously, each admitted only while the groups ahead of it keep it within
+`max_staleness`). Every group handed to training is checked against `max_staleness` (trained version minus its
+oldest token's version): a group past it is dropped and its prompt goes back to the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import itertools
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from baton.config import import_object
+from baton.data import DataProto
+from baton.distributed import Cluster
+from baton.engines.loop import LoopThread
+from baton.engines.protocol import GenerationRequest, GenerationResult
+from baton.rollout.config import RolloutSystemConfig
+from baton.rollout.data_source import RolloutDataSource
+from baton.rollout.dump import load_rollout, save_rollout
+from baton.rollout.functions import (RolloutStalledError, abort_groups, generate_group, generate_sample, reset_sample,
+                                     too_stale)
+from baton.rollout.reward import GroupRewarder, RewardTimeout
+from baton.rollout.router import Router
+from baton.rollout.sample import Sample, Status, samples_to_data
+from baton.strategy import SamplingParams
+from baton.workers.weight_sync import ModelUpdatePair
+
+
+def _load(path: str | None, what: str) -> Callable | None:
+    if path is None:
+        return None
+    try:
+        return import_object(path)
+    except Exception as error:
+        raise ValueError(f"rollout_system.{what} {path!r} cannot be imported: {error}") from error
+
+
+class RolloutContext:
+    """The `args` that rollout, generate, reward and filter functions receive (slime passes its argparse namespace):
+    the settings, the tokenizer, and the async operations a function composes.
+
+    config: the `RolloutSystemConfig`. sampling_params: one sample's sampling (n=1; its seed comes from the sample).
+    num_groups_per_step: the prompt groups a training step takes. metrics: this rollout's counters (reset per
+    rollout), logged with the step. weight_version: the engines' current weights.
+    """
+
+    def __init__(self, manager: "RolloutManager", sampling_params: SamplingParams, num_groups_per_step: int):
+        self._manager = manager
+        self.config: RolloutSystemConfig = manager.config
+        self.tokenizer = manager.tokenizer
+        self.router: Router = manager.router
+        self.sampling_params = sampling_params
+        self.num_groups_per_step = num_groups_per_step
+        self.metrics: dict[str, float] = {}
+        self._ids = itertools.count()
+        self._in_flight: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
+        self._generate = _load(self.config.generate_function, "generate_function") or generate_sample
+        self._filter = _load(self.config.dynamic_filter, "dynamic_filter")
+
+    @property
+    def weight_version(self) -> int:
+        return self._manager.version
+
+    def request_id(self, sample: Sample) -> str:
+        """A fresh request id for `sample`; `generate_request` with it can be aborted by `abort([sample])`."""
+        request_id = f"g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
+        self._in_flight[(sample.group_index, sample.sample_index)] = request_id
+        return request_id
+
+    async def generate_request(self, request: GenerationRequest) -> GenerationResult:
+        """One request through the router."""
+        try:
+            return await asyncio.wrap_future(self.router.generate(request))
+        finally:
+            for key, request_id in list(self._in_flight.items()):
+                if request_id == request.request_id:
+                    del self._in_flight[key]
+
+    async def generate(self, sample: Sample, params: SamplingParams) -> Sample:
+        return await self._generate(self, sample, params)
+
+    async def reward(self, group: list[Sample]) -> None:
+        await self._manager.rewarder(self, group)
+
+    def keep(self, group: list[Sample]) -> tuple[bool, str]:
+        """The dynamic filter's verdict on a rewarded group: (keep, reason to drop)."""
+        if self._filter is None:
+            return True, ""
+        verdict = self._filter(self, group)
+        return verdict if isinstance(verdict, tuple) else (bool(verdict), "filtered")
+
+    def abort(self, samples: Sequence[Sample]) -> None:
+        ids = [self._in_flight[key] for key in ((s.group_index, s.sample_index) for s in samples)
+               if key in self._in_flight]
+        if ids:
+            self.router.abort(ids, timeout_s=self.config.abort_timeout_s)
+
+    def run(self, coro, timeout_s: float | None = None):
+        """Run a coroutine on the manager's event loop from a plain (synchronous) rollout function."""
+        return self._manager.loop.run(coro, timeout_s)
+
+    def describe_stall(self, what: str) -> str:
+        return self._manager.describe_stall(what)
+
+
+class RolloutManager:
+    """See the module docstring. `engines`: clusters of one `EngineWorker` each, built by the pipeline.
+
+    reward_fn / reward_on_error / reward_num_processes / reward_timeout_s_per_row: the pipeline's reward (see
+    `GroupRewarder`), unless `config.reward_function` names a custom one. eval_sets: name -> PromptDataset scored by
+    `eval` (greedy, `eval_sampling_params`).
+    """
+
+    def __init__(self, config: RolloutSystemConfig, engines: Sequence[Cluster], data_source: RolloutDataSource,
+                 tokenizer, sampling_params: SamplingParams, num_groups_per_step: int, *,
+                 reward_fn: Any = "exact_match", reward_on_error: str = "raise", reward_num_processes: int = 0,
+                 reward_timeout_s_per_row: float | None = None, probe: DataProto | None = None, probe_atol: float = 1e-4,
+                 eval_sets: dict | None = None, eval_sampling_params: SamplingParams | None = None,
+                 max_prompt_len: int | None = None, engines_on_gpu: bool = False):
+        self.config, self.engines, self.data_source, self.tokenizer = config, list(engines), data_source, tokenizer
+        self.sampling_params = sampling_params
+        self.num_groups_per_step = num_groups_per_step
+        self.version = 0
+        self.probe, self.probe_atol = probe, probe_atol
+        self.eval_sets = eval_sets or {}
+        self.eval_sampling_params = eval_sampling_params or SamplingParams(temperature=0.0, n=1)
+        self.max_prompt_len = max_prompt_len
+        self.rollout_fn = _load(config.rollout_function, "rollout_function")
+        self.rewarder = GroupRewarder(reward_fn, on_error=reward_on_error, num_processes=reward_num_processes,
+                                      timeout_s_per_row=reward_timeout_s_per_row,
+                                      custom=_load(config.reward_function, "reward_function"),
+                                      timeout_s=config.reward_timeout_s)
+        self._buckets: list | None = None  # the last weights sent, for an engine that restarts
+        self.router = Router(self.engines, poll_s=config.poll_s, health_interval_s=config.health_interval_s,
+                             max_retries=config.max_retries, on_restart=self._resync)
+        self.loop = LoopThread("rollout-manager")
+        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self.engines_on_gpu, self._said_cpu_offload = engines_on_gpu, False
+        # async mode: groups ready for training, and the producer's state (on the loop)
+        self._ready: list[list[Sample]] = []
+        self._producer: concurrent.futures.Future | None = None
+        self._stop_producing: asyncio.Event | None = None
+        self._continuous_ctx: RolloutContext | None = None
+        self.consumed_steps = 0
+
+    def context(self) -> RolloutContext:
+        return RolloutContext(self, self.sampling_params, self.num_groups_per_step)
+
+    # --- sync and one-step-off -----------------------------------------------------------------------
+
+    def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The groups of rollout `rollout_id` (the rollout function's, or the saved ones in train-only mode), saved
+        when `save_rollouts` is set, and the rollout's metrics."""
+        if self.config.load_rollouts is not None:
+            return load_rollout(self.config.load_rollouts, rollout_id), {}
+        ctx = self.context()
+        fn = self.rollout_fn
+        if inspect.iscoroutinefunction(fn):
+            groups = self.loop.run(fn(ctx, rollout_id, self.data_source, False), timeout_s=None)
+        else:
+            groups = fn(ctx, rollout_id, self.data_source, False)
+        if self.config.save_rollouts is not None:
+            save_rollout(self.config.save_rollouts, rollout_id, groups)
+        return groups, {**ctx.metrics, **self.router.metrics()}
+
+    def generate_async(self, rollout_id: int) -> concurrent.futures.Future:
+        """`generate(rollout_id)` in a background thread (one_step_off)."""
+        return self._background.submit(self.generate, rollout_id)
+
+    # --- async: continuous generation ------------------------------------------------------------------
+
+    def start_continuous(self) -> None:
+        """Start generating groups in the background (async mode), admitted by the staleness bound."""
+        if self._producer is not None:
+            return
+        self._continuous_ctx = self.context()
+
+        async def start():
+            self._stop_producing = asyncio.Event()
+            self._wake = asyncio.Event()
+
+        self.loop.run(start())
+        self._producer = self.loop.submit(self._produce(self._continuous_ctx))
+
+    def _admits(self, ahead: int) -> bool:
+        """Whether a new group, `ahead` groups behind the next batch's start, will be trained within the bound: it
+        is trained by the step that takes batch `ahead // B` from now, at version consumed_steps + ahead // B."""
+        return self.consumed_steps + ahead // self.num_groups_per_step - self.version <= self.config.max_staleness
+
+    async def _produce(self, ctx: RolloutContext) -> None:
+        running: dict[asyncio.Task, list[Sample]] = {}
+        while not self._stop_producing.is_set():
+            while self._admits(len(self._ready) + len(running)):
+                for group in self.data_source.get_samples(1):
+                    running[asyncio.ensure_future(generate_group(ctx, group, ctx.sampling_params))] = group
+            self._wake.clear()
+            waits = [*running, asyncio.ensure_future(self._wake.wait())]
+            done, _ = await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            waits[-1].cancel()
+            for task in [t for t in done if t in running]:
+                group = running.pop(task)
+                try:
+                    task.result()
+                except RewardTimeout:
+                    _count(ctx, "reward_timeout")
+                    continue
+                keep, reason = ctx.keep(group)
+                if keep:
+                    self._ready.append(group)
+                else:
+                    _count(ctx, reason)
+        await abort_groups(ctx, running, self.data_source)
+
+    def take(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """(async mode) The next step's groups, waiting at most `watchdog_s` for enough of them."""
+        groups = self.loop.run(self._take(), timeout_s=None)
+        ctx = self._continuous_ctx
+        metrics, ctx.metrics = {**ctx.metrics, **self.router.metrics()}, {}
+        return groups, metrics
+
+    async def _take(self) -> list[list[Sample]]:
+        """The oldest ready groups first (the fewest go stale); a group staler than the bound for the version it
+        would train at (`consumed_steps`) goes back to the buffer as a fresh prompt."""
+        needed, trained_version = self.num_groups_per_step, self.consumed_steps
+        deadline = time.monotonic() + self.config.watchdog_s
+        while True:
+            self._ready.sort(key=lambda group: min(s.oldest_version() or 0 for s in group))  # stable: FIFO on ties
+            stale = [g for g in self._ready if too_stale(g, trained_version, self.config.max_staleness)]
+            if stale:
+                self._ready = [g for g in self._ready if g not in stale]
+                for sample in (s for g in stale for s in g):
+                    reset_sample(sample, keep_tokens=False)
+                self.data_source.add_samples(stale)
+                _count(self._continuous_ctx, "stale", len(stale))
+                self._wake.set()
+            if len(self._ready) >= needed:
+                break
+            if self._producer.done():
+                self._producer.result()  # its error
+                raise RuntimeError("the rollout producer stopped")
+            if time.monotonic() >= deadline:
+                raise RolloutStalledError(self.describe_stall(
+                    f"async rollout: {len(self._ready)} of {needed} groups ready after {self.config.watchdog_s:g} s "
+                    "(rollout_system.watchdog_s)"))
+            await asyncio.sleep(0.01)
+        groups, self._ready = self._ready[:needed], self._ready[needed:]
+        self.consumed_steps += 1
+        self._wake.set()
+        return groups
+
+    def stop_continuous(self) -> None:
+        """Stop the producer: what runs is aborted into the buffer, and what is ready goes back there too (in
+        order, ahead of the rest), so that a checkpoint holds every sample."""
+        if self._producer is None:
+            return
+
+        async def stop():
+            self._stop_producing.set()
+            self._wake.set()
+
+        self.loop.run(stop())
+        self._producer.result(self.config.abort_timeout_s + 30)
+        self._producer = None
+        ready, self._ready = self._ready, []
+        self.data_source.buffer[:0] = ready
+
+    # --- training data ------------------------------------------------------------------------------
+
+    def to_training_data(self, groups: list[list[Sample]], trained_version: int,
+                         temperature: float) -> tuple[DataProto, dict[str, float]]:
+        """The groups as one training batch, and its staleness metrics. A group staler than `max_staleness` (only a
+        custom rollout function can hand one over: the shipped ones drop them) is refused."""
+        for group in groups:
+            if too_stale(group, trained_version, self.config.max_staleness):
+                raise ValueError(f"{group[0].where()}'s group holds tokens {max(s.staleness(trained_version) for s in group)} "
+                                 f"versions older than the weights it would train (max_staleness="
+                                 f"{self.config.max_staleness}); a rollout function must leave such groups out")
+        samples = [sample for group in groups for sample in group]
+        staleness = np.array([s.staleness(trained_version) for s in samples])
+        batch = samples_to_data(samples, self.tokenizer.pad_token_id, temperature)
+        return batch, {"rollout/staleness/mean": float(staleness.mean()), "rollout/staleness/max": float(staleness.max()),
+                       "rollout/num_groups": float(len(groups)),
+                       "rollout/num_partial_samples": float(sum(s.metadata.get("num_resumes", 0) > 0 for s in samples))}
+
+    # --- weights and memory -------------------------------------------------------------------------
+
+    def update_weights(self, actor: Cluster, version: int, bucket_bytes: int = 256 << 20) -> dict[str, float]:
+        """The actor's weights into every engine as `version`, in place: each engine pauses (requests in flight
+        wait), loads, is probe-checked against the actor, and resumes."""
+        buckets = actor.export_weights(bucket_bytes)
+        diffs = []
+        for index, engine in enumerate(self.engines):
+            engine.pause()
+            try:
+                engine.import_weights(buckets, version)
+                if self.probe is not None:
+                    diffs.append(ModelUpdatePair(actor, engine, self.probe, atol=self.probe_atol).check())
+            finally:
+                engine.resume()
+        self._buckets, self.version = buckets, version
+        if self._producer is not None:
+            self.loop.loop.call_soon_threadsafe(self._wake.set)
+        return {"weight_sync/max_logprob_diff": max(diffs)} if diffs else {}
+
+    def _resync(self, index: int) -> None:
+        """A restarted engine gets the weights the others have."""
+        if self._buckets is not None:
+            self.engines[index].import_weights(self._buckets, self.version)
+
+    def offload(self) -> None:
+        """Engines sleep before training on devices they share (on CPU this frees nothing; said once)."""
+        self._say_cpu_offload()
+        for engine in self.engines:
+            engine.offload()
+
+    def onload(self) -> None:
+        for engine in self.engines:
+            engine.reload()
+
+    def _say_cpu_offload(self) -> None:
+        if not self._said_cpu_offload and not self.engines_on_gpu:
+            print("baton: rollout engines on CPU: offload/onload hold their steps but free no memory", file=sys.stderr)
+        self._said_cpu_offload = True
+
+    # --- eval ---------------------------------------------------------------------------------------
+
+    def eval(self, rollout_id: int) -> dict[str, dict[str, float]]:
+        """Each eval set, every prompt, `eval_sampling_params.n` samples (greedy by default): name -> {"accuracy"
+        (share of rewards >= 1), "reward/mean", "truncated_ratio", "response_length/mean"}."""
+        out = {}
+        for name, dataset in self.eval_sets.items():
+            source = RolloutDataSource(dataset, self.tokenizer, self.eval_sampling_params.n, seed=rollout_id,
+                                       max_prompt_len=self.max_prompt_len)
+            groups = source.get_samples(len(dataset))
+            ctx = RolloutContext(self, dataclasses.replace(self.eval_sampling_params, n=1), len(groups))
+
+            async def run_all():
+                return await asyncio.gather(*(generate_group(ctx, g, ctx.sampling_params) for g in groups))
+
+            self.loop.run(run_all(), timeout_s=None)
+            samples = [s for g in groups for s in g]
+            scores = np.array([s.score() for s in samples])
+            out[name] = {"accuracy": float(np.mean(scores >= 1.0)), "reward/mean": float(scores.mean()),
+                         "truncated_ratio": float(np.mean([s.status == Status.TRUNCATED for s in samples])),
+                         "response_length/mean": float(np.mean([s.response_length for s in samples]))}
+        return out
+
+    # --- state --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"data_source": self.data_source.state_dict(), "version": self.version,
+                "consumed_steps": self.consumed_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data_source.load_state_dict(state["data_source"])
+        self.version, self.consumed_steps = state["version"], state["consumed_steps"]
+
+    def describe_stall(self, what: str) -> str:
+        metrics = self.router.metrics()
+        engines = [f"engine {i}: {metrics[f'router/engine_{i}/outstanding']:g} outstanding, "
+                   f"{metrics[f'router/engine_{i}/served']:g} served" for i in range(len(self.engines))]
+        silent = [i for i in range(len(self.engines)) if metrics[f"router/engine_{i}/outstanding"] > 0]
+        stage = "generation" if self.router.num_in_flight else "reward (no request in flight)"
+        return (f"{what}; stalled in {stage}; silent engines (requests outstanding): {silent or 'none'}; "
+                + "; ".join(engines))
+
+    def close(self) -> None:
+        self.stop_continuous()
+        self.router.close()
+        self.rewarder.close()
+        self._background.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
+
+
+def _count(ctx: RolloutContext, reason: str, count: int = 1) -> None:
+    key = f"rollout/num_dropped/{reason}"
+    ctx.metrics[key] = ctx.metrics.get(key, 0.0) + float(count)
+
+
+__all__ = ["RolloutContext", "RolloutManager"]

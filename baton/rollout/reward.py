@@ -1,0 +1,71 @@
+"""Rewarding a group of samples in the rollout system: the pipeline's `reward_fn` (the reward registry's convention,
+scored by `score_rows`, in processes of their own with a per-row time limit when asked) or a custom per-sample
+function by import path (slime's `custom_rm_path`). Scoring runs off the event loop, so a slow reward never holds
+generation; a group is waited on at most `timeout_s`."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping
+
+from baton.rewards import PRED, ScoringPool, score_rows
+from baton.rollout.sample import Sample
+
+
+class RewardTimeout(TimeoutError):
+    """A group's reward took longer than the rollout system's reward_timeout_s."""
+
+
+class GroupRewarder:
+    """Sets `sample.reward` on every sample of a group.
+
+    reward_fn: a reward registry name or import path, or {data_source: reward} (see `baton.rewards.RewardRoutes`),
+        called as the reward worker calls it: `fn(response, label, prompt=..., **metadata)`; a number, or a dict
+        with "score" and further numeric fields (and "pred"), which the sample keeps as its reward dict.
+    custom: `fn(args, sample) -> float | dict`, plain or a coroutine function, instead of reward_fn.
+    num_processes / timeout_s_per_row: reward_fn scored in that many processes, a row past the limit killed and
+        handled by `on_error` (as the reward workers do); 0 processes: in a thread of this process.
+    """
+
+    def __init__(self, reward_fn: str | Mapping[str, str], *, on_error: str = "raise", num_processes: int = 0,
+                 timeout_s_per_row: float | None = None, custom: Callable | None = None,
+                 timeout_s: float | None = 60.0):
+        self.reward_fn, self.on_error, self.custom, self.timeout_s = reward_fn, on_error, custom, timeout_s
+        self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes and custom is None else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-reward")  # score_rows: one group at a time
+        self.num_errors = 0
+
+    async def __call__(self, args: Any, group: list[Sample]) -> None:
+        try:
+            await asyncio.wait_for(self._score(args, group), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardTimeout(f"the reward of group {group[0].group_index} took longer than {self.timeout_s:g} s "
+                                "(rollout_system.reward_timeout_s)") from None
+
+    async def _score(self, args: Any, group: list[Sample]) -> None:
+        if self.custom is not None:
+            for sample in group:
+                value = self.custom(args, sample)
+                sample.reward = await value if inspect.isawaitable(value) else value
+            return
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executor, self._score_rows, group)
+        self.num_errors += result.num_errors
+        for row, sample in enumerate(group):
+            extras = {key: values[row] for key, values in result.extras.items()}
+            if result.preds is not None:
+                extras[PRED] = result.preds[row]
+            sample.reward = {"score": result.scores[row], **extras} if extras else result.scores[row]
+
+    def _score_rows(self, group: list[Sample]):
+        keys = set.intersection(*(set(s.metadata) for s in group)) - {"prompt"}
+        columns = {"prompt": [s.prompt for s in group], **{k: [s.metadata[k] for s in group] for k in sorted(keys)}}
+        return score_rows(self.reward_fn, [s.response for s in group], [s.label for s in group], columns,
+                          self.on_error, self.pool)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()
