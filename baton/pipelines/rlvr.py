@@ -59,6 +59,15 @@ class RLVRPipeline(Pipeline):
         # actor, reference and critic compute. Colocated actor and rollout share tensors: neither is offloaded.
         self.share_devices([["rollout"], ["actor", "reference", "critic"]],
                            never_offloaded=FUSED_POLICY["policy"] if config.colocate_actor_rollout else ())
+        stale = config.trainer.sync_every_steps > 1 and not config.colocate_actor_rollout  # colocated: shared tensors
+        self.build_algorithm(config, stale)
+        self.maybe_resume()
+
+    def build_algorithm(self, config: RLVRConfig, stale: bool) -> None:
+        """The losses, the KL controller, the signal watch and the baseline sampling of `config.algorithm`, and
+        whether a step computes old log-probs. stale: the rollout samples with weights older than the actor's."""
+        algo = config.algorithm
+        needs = estimator_needs(algo.adv_estimator)
         self.policy_loss = PolicyLoss(algo.policy_loss, policy_loss_settings(algo), algo.loss_agg_mode,
                                       algo.loss_scale_factor, algo.entropy_coeff,
                                       algo.kl_loss_coef if algo.use_kl_loss else 0.0, algo.kl_loss_estimator,
@@ -74,7 +83,6 @@ class RLVRPipeline(Pipeline):
         # Several epochs or mini-batches move the weights between updates, the KL reward penalty needs the
         # log-probs before the update, and with sync_every_steps > 1 they measure how far the rollout's older
         # weights are from the actor's (rollout/logprob_diff); a rollout correction weighs the loss by them.
-        stale = config.trainer.sync_every_steps > 1 and not config.colocate_actor_rollout  # colocated: shared tensors
         corrected = algo.rollout_correction != "none"
         self.needs_old_log_probs = (algo.num_ppo_epochs > 1 or algo.num_mini_batches_per_step > 1
                                     or algo.use_kl_in_reward or stale or corrected)
@@ -84,8 +92,7 @@ class RLVRPipeline(Pipeline):
                 f"{config.trainer.sync_every_steps - 1} update(s) older than the actor's, and the loss does not correct "
                 "for it (its ratio is against the actor's own log-probs); rollout/logprob_diff/mean and max show the "
                 "gap. Use sync_every_steps=1 for on-policy training, or an algorithm.rollout_correction",
-                StaleSamplesWarning, stacklevel=2)
-        self.maybe_resume()
+                StaleSamplesWarning, stacklevel=3)
 
     def pipeline_state(self) -> dict:
         return {**super().pipeline_state(), "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
@@ -129,6 +136,27 @@ class RLVRPipeline(Pipeline):
                 per_rank = cluster.train_step(mini_batch, loss_fn, loss_unit(algo.loss_agg_mode))
         return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
 
+    def train_on(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """A rewarded batch's old/ref log-probs and values, advantages, and the critic's and actor's updates; returns
+        the batch with those columns and the metrics (advantages', `actor/...`, `critic/...`)."""
+        if self.needs_old_log_probs:
+            with self.timer("old_log_prob"):
+                batch.batch["old_log_probs"] = self.actor.compute_log_probs(batch).batch["log_probs"]
+        if self.reference is not None:
+            with self.timer("ref"):
+                batch.batch["ref_log_probs"] = self.reference.compute_log_probs(batch).batch["log_probs"]
+        if self.critic is not None:
+            with self.timer("values"):
+                batch.batch["values"] = self.critic.compute_values(batch).batch["values"]
+        with self.timer("adv"):
+            batch, metrics = self.compute_advantages(batch)
+        if self.critic is not None:
+            with self.timer("update_critic"):
+                metrics.update(_prefixed(self.update(self.critic, batch, self.value_loss), "critic/"))
+        with self.timer("update_actor"):
+            metrics.update(_prefixed(self.update(self.actor, batch, self.policy_loss), "actor/"))
+        return batch, metrics
+
     def run(self) -> dict:
         trainer = self.config.trainer
         tracker = self.make_tracker()
@@ -150,30 +178,14 @@ class RLVRPipeline(Pipeline):
                 with self.timer("reward"):
                     rewards = self.reward.compute_rewards(batch, apply_overlong_penalty=True)  # overlong_buffer
                     batch = batch.union(rewards.select(None, [], []))  # scores, token_level_scores, reward_extra/*
-                if self.needs_old_log_probs:
-                    with self.timer("old_log_prob"):
-                        batch.batch["old_log_probs"] = self.actor.compute_log_probs(batch).batch["log_probs"]
-                if self.reference is not None:
-                    with self.timer("ref"):
-                        batch.batch["ref_log_probs"] = self.reference.compute_log_probs(batch).batch["log_probs"]
-                if self.critic is not None:
-                    with self.timer("values"):
-                        batch.batch["values"] = self.critic.compute_values(batch).batch["values"]
-                with self.timer("adv"):
-                    batch, adv_metrics = self.compute_advantages(batch)
-                if self.critic is not None:
-                    with self.timer("update_critic"):
-                        critic_metrics = self.update(self.critic, batch, self.value_loss)
-                with self.timer("update_actor"):
-                    actor_metrics = self.update(self.actor, batch, self.policy_loss)
+                batch, train_metrics = self.train_on(batch)
                 if step % trainer.sync_every_steps == 0:
                     self.on_device("actor", "rollout")  # an offloaded (asleep) vLLM takes no weights
                     with self.timer("sync"):
                         self.update_pairs[0].sync()
                     self.on_device("rollout")
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
-                       **adv_metrics, **_prefixed(actor_metrics, "actor/"),
-                       **(_prefixed(critic_metrics, "critic/") if self.critic is not None else {}), **self.timings}
+                       **train_metrics, **self.timings}
             if self.signal_watch is not None:
                 self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
             self.end_step(step, metrics, "reward", "critic/score/mean")
