@@ -70,6 +70,7 @@ class VLLMStrategy:
 
     def __init__(self, config: StrategyConfig, **engine_kwargs):
         require_vllm()
+        from baton.engines.loop import LoopThread
         from baton.engines.vllm import VLLMEngine
 
         if config.kind != "causal_lm":
@@ -79,8 +80,9 @@ class VLLMStrategy:
         # max_logprobs -1: forward at a temperature other than 1 needs the whole vocabulary's prompt log-probs.
         self.engine = VLLMEngine.from_config(config, **{"max_logprobs": -1, **config.engine_kwargs, **engine_kwargs})
         self.generator = torch.Generator().manual_seed(config.seed)  # per-request seeds when params.seed is None
-        # One event loop for every call: the engine's scheduler task lives on it between calls.
-        self._loop = asyncio.new_event_loop()
+        # One event loop for every call, in a thread of its own: the engine's scheduler task lives on it between
+        # calls, and a rollout engine worker (`baton.rollout.engine_worker`) serves requests on it.
+        self.runner = LoopThread("vllm-strategy")
         self._request_ids = itertools.count()
         self._sleeping = False
 
@@ -92,9 +94,9 @@ class VLLMStrategy:
     def close(self) -> None:
         """Stop the engine and free its memory (and a checkpoint it wrote); the strategy serves nothing after. A
         strategy never closed (a worker's, whose process ends with the run) is freed by the process's exit."""
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.close())
-            self._loop.close()
+        if not self.runner.loop.is_closed():
+            self.runner.run(self.engine.close())
+            self.runner.close()
 
     # --- generation ---------------------------------------------------------------------------------
 
@@ -115,7 +117,7 @@ class VLLMStrategy:
                               dataclasses.replace(params, n=1, seed=seed))
             for row, seed in enumerate(seeds)
         ]
-        results = self._loop.run_until_complete(self._generate_all(requests))
+        results = self.runner.run(self._generate_all(requests), timeout_s=None)  # a worker call: call_timeout_s
         if any(result.finish_reason == "abort" for result in results):
             raise RuntimeError("the vllm engine aborted requests of a generate call (was it closed?)")
         out = padded_responses([r.response_ids for r in results], [r.log_probs for r in results],
@@ -144,8 +146,8 @@ class VLLMStrategy:
                              "given the tokens before it")
         sequences = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
         greedy_or_one = temperature in (0.0, 1.0)  # greedy samples report temperature-1 log-probs
-        per_row = self._loop.run_until_complete(self.engine.run_on_engine(
-            self._prompt_log_probs, sequences, lengths.tolist(), None if greedy_or_one else temperature))
+        per_row = self.runner.run(self.engine.run_on_engine(
+            self._prompt_log_probs, sequences, lengths.tolist(), None if greedy_or_one else temperature), timeout_s=None)
         log_probs = torch.zeros(len(batch), response_len, dtype=torch.float32)
         for row, values in enumerate(per_row):
             log_probs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
@@ -193,16 +195,16 @@ class VLLMStrategy:
     def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Every bucket in one in-place reload (see `VLLMEngine.update_weights`), as weight version + 1."""
         self._check_awake("import_weights")
-        self._loop.run_until_complete(self.engine.update_weights(buckets, self.engine.weight_version + 1))
+        self.runner.run(self.engine.update_weights(buckets, self.engine.weight_version + 1))
 
     def offload(self) -> None:
         """vLLM's sleep (weights to CPU memory, KV cache freed) on a GPU; on CPU it frees nothing. Until `reload`,
         generate, forward and import_weights refuse."""
-        self._loop.run_until_complete(self.engine.sleep())
+        self.runner.run(self.engine.sleep())
         self._sleeping = True
 
     def reload(self) -> None:
-        self._loop.run_until_complete(self.engine.wake_up())
+        self.runner.run(self.engine.wake_up())
         self._sleeping = False
 
     def _check_awake(self, method: str) -> None:
