@@ -30,8 +30,10 @@ class LoopThread:
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError
+                raise
             future.cancel()
-            raise TimeoutError(f"an engine call did not return within {timeout_s:g} s") from None
+            raise TimeoutError(f"a call on the event loop thread did not return within {timeout_s:g} s") from None
 
     def close(self) -> None:
         """Stop the loop and its thread (what still runs on it is dropped); a second call does nothing."""

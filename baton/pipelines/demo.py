@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from baton.config import ConfigError
+from baton.config import ConfigError, import_object
 from baton.pipelines.base import list_checkpoints, previous_run, remove_previous_run, run_dir_in_use, run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
@@ -129,6 +129,7 @@ class DemoConfig:
 
 class DemoPipeline:
     config_cls = DemoConfig
+    rlvr_pipeline_cls = "baton.pipelines.rlvr:RLVRPipeline"  # the second stage (imported when used)
 
     def __init__(self, config: DemoConfig):
         # Both stage directories are checked before either stage runs, and cleared (overwrite) before the first
@@ -151,17 +152,15 @@ class DemoPipeline:
     @classmethod
     def dry_run(cls, config: DemoConfig) -> None:
         """Both stages' checks and data, so that a mistake in the second shows before the first has run."""
-        from baton.pipelines.rlvr import RLVRPipeline
         from baton.pipelines.sft import SFTPipeline
 
-        for name, pipeline_cls in (("sft", SFTPipeline), ("rlvr", RLVRPipeline)):
+        for name, pipeline_cls in (("sft", SFTPipeline), ("rlvr", import_object(cls.rlvr_pipeline_cls))):
             try:
                 pipeline_cls.dry_run(config.stage(name))
             except ConfigError as e:
                 raise ConfigError(f"{name} stage: {e}") from e
 
     def run(self) -> dict:
-        from baton.pipelines.rlvr import RLVRPipeline
         from baton.pipelines.sft import SFTPipeline
 
         cfg = self.config
@@ -178,7 +177,7 @@ class DemoPipeline:
             rlvr_cfg, actor=_from_checkpoint(rlvr_cfg.actor, checkpoint), rollout=_from_checkpoint(rlvr_cfg.rollout, checkpoint),
             reference=_from_checkpoint(rlvr_cfg.reference, checkpoint), critic=_from_checkpoint(rlvr_cfg.critic, checkpoint),
         )
-        rlvr_summary = run_pipeline(RLVRPipeline, rlvr_cfg)
+        rlvr_summary = run_pipeline(import_object(self.rlvr_pipeline_cls), rlvr_cfg)
         summary = {
             "wall_s": sft_summary["wall_s"] + rlvr_summary["wall_s"],
             "start_val_accuracy": rlvr_summary["start_val_accuracy"],

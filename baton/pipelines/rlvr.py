@@ -198,11 +198,12 @@ class RLVRPipeline(Pipeline):
         step_s = self.timings.get("timing_s/step", float("nan"))
         metrics = {
             "critic/score/mean": float(data["scores"].mean()), "critic/score/max": float(data["scores"].max()),
-            "critic/advantages/mean": float(data["advantages"][data["response_mask"].bool()].mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response/stop_ratio": float(np.mean(batch.non_tensor_batch["finish_reason"] == "stop")),
             "perf/throughput": float(data["attention_mask"].sum()) / step_s,
         }
+        if "advantages" in data:  # absent where nothing trains (a rollout-only run, an SFT loss)
+            metrics["critic/advantages/mean"] = float(data["advantages"][data["response_mask"].bool()].mean())
         if "reward_baselines" in data:  # ReMax: the greedy responses' mean reward (each prompt's, n times)
             metrics["critic/baseline_score/mean"] = float(data["reward_baselines"].mean())
         if "old_log_probs" in data and "rollout_log_probs" in data:

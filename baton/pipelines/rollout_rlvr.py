@@ -15,11 +15,15 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from baton.config import ConfigError
 from baton.datasets import PromptDataset
 from baton.pipelines.base import Pipeline, on_gpus
 from baton.pipelines.config import RLVRConfig, RoleConfig
 from baton.pipelines.data import load_prompt_file
+from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
+from baton.pipelines.losses import SFTLoss
 from baton.pipelines.policy import probe_tolerance
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.rollout import RolloutDataSource, Sample
@@ -31,18 +35,42 @@ from baton.workers.weight_sync import probe_batch
 
 
 @dataclass
+class RolloutRewardConfig:
+    """How the rollout manager scores each finished group (in the driver's process, off its event loop): one row
+    after another in a thread (num_processes 0), or concurrently in that many processes of their own, where a row
+    running past timeout_s_per_row is cut off and handled by reward_on_error (see `RewardSettings`)."""
+
+    num_processes: int = 0
+    timeout_s_per_row: float | None = None
+
+    def __post_init__(self):
+        if self.num_processes < 0:
+            raise ValueError(f"reward.num_processes must be >= 0, got {self.num_processes}")
+        if self.timeout_s_per_row is not None and self.num_processes < 1:
+            raise ValueError(f"reward.timeout_s_per_row={self.timeout_s_per_row} needs reward.num_processes >= 1: a "
+                             "row scored in a thread cannot be cut off")
+
+
+@dataclass
 class RolloutRLVRConfig(RLVRConfig):
     """`RLVRConfig` with the rollout system (`rollout_system`; see `RolloutSystemConfig`). The rollout role's workers
     are the engine pool: `rollout.world_size` engines of `rollout.num_devices_per_worker` devices each.
     eval_files: further held-out sets, name -> a jsonl/parquet file with the data's keys, each logged as
-    `eval/{name}/...` (the data's own val set is `val/...`)."""
+    `eval/{name}/...` (the data's own val set is `val/...`).
+    loss: "policy" (the algorithm's RL loss on advantages) or "sft" (the response tokens' negative log-likelihood,
+    slime's sft_loss: with `rollout_system.rollout_function: baton.rollout.functions:sft_rollout` the same machinery
+    trains SFT on the dataset's responses)."""
 
     pipeline_cls: str = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
     rollout_system: RolloutSystemConfig = field(default_factory=RolloutSystemConfig)
+    reward: RolloutRewardConfig = field(default_factory=RolloutRewardConfig)  # no reward workers: the manager scores
     eval_files: dict[str, str] = field(default_factory=dict)
+    loss: str = "policy"
 
     def check(self) -> None:
         super().check()
+        if self.loss not in ("policy", "sft"):
+            raise ConfigError(f"loss {self.loss!r} is not one of 'policy', 'sft'")
         if self.colocate_actor_rollout:
             raise ConfigError("colocate_actor_rollout fuses the actor with a rollout worker; the rollout system's "
                               "engines are workers of their own: give them the actor's device_mapping to share its "
@@ -102,14 +130,22 @@ class RolloutRLVRPipeline(RLVRPipeline):
             system, [clusters[name] for name in engines], source, self.tokenizer,
             dataclasses.replace(config.sampling.params(), n=1), config.trainer.num_prompts_per_step,
             reward_fn=config.reward_fn, reward_on_error=config.reward_on_error,
-            reward_num_processes=config.reward.num_processes_per_worker,
+            reward_num_processes=config.reward.num_processes,
             reward_timeout_s_per_row=config.reward.timeout_s_per_row, probe=self.make_probe(),
             probe_atol=probe_tolerance(config.actor, config.rollout), eval_sets=eval_sets,
             eval_sampling_params=config.val_sampling.params(seed=0), max_prompt_len=data.max_prompt_len,
-            engines_on_gpu=on_gpus(self.manager))
+            engines_on_gpu=on_gpus(self.manager), response_key=data.sft_response_key)
         self.rollouts.update_weights(self.actor, version=0)
         self.next_rollout: concurrent.futures.Future | None = None  # one_step_off: the next step's, running
         self.maybe_resume()
+
+    @classmethod
+    def load_data(cls, config: RolloutRLVRConfig):
+        """With the SFT loss, one row per demonstration (as SFT trains), so each sample has one response."""
+        train, val, tokenizer = super().load_data(config)
+        if config.loss == "sft":
+            train = train.one_response_per_row(config.data.sft_response_key)
+        return train, val, tokenizer
 
     def make_probe(self):
         data = self.val_data if self.val_data is not None and len(self.val_data) else self.train_data
@@ -181,9 +217,11 @@ class RolloutRLVRPipeline(RLVRPipeline):
                     groups, rollout_metrics = self.next_groups(step)
                     batch, data_metrics = self.rollouts.to_training_data(
                         groups, trained_version=step - 1, temperature=self.config.sampling.temperature)
-                batch, train_metrics = self.train_on(batch)
-                with self.timer("sync"):
-                    sync_metrics = self.rollouts.update_weights(self.actor, version=step)
+                batch, train_metrics, sync_metrics = batch, {}, {}
+                if not system.rollout_only:
+                    batch, train_metrics = self.train(batch)
+                    with self.timer("sync"):
+                        sync_metrics = self.rollouts.update_weights(self.actor, version=step)
             metrics = {**self.rollout_metrics(batch), **rollout_metrics, **data_metrics, **train_metrics,
                        **sync_metrics, **self.timings}
             if self.signal_watch is not None:
@@ -191,6 +229,14 @@ class RolloutRLVRPipeline(RLVRPipeline):
             self.end_step(step, metrics, "reward", "critic/score/mean")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
+
+    def train(self, batch) -> tuple:
+        """RLVR's training (`train_on`), or with loss "sft" one update on the responses' negative log-likelihood."""
+        if self.config.loss == "policy":
+            return self.train_on(batch)
+        with self.timer("update_actor"):
+            per_rank = self.actor.train_step(batch, SFTLoss(), "token")
+        return batch, {f"actor/{key}": float(np.mean([m[key] for m in per_rank])) for key in per_rank[0]}
 
     def validate(self) -> dict[str, float]:
         """The val set's metrics as `val/...` (as RLVR logs them), the further eval sets' as `eval/{name}/...`."""
@@ -206,4 +252,24 @@ class RolloutRLVRPipeline(RLVRPipeline):
         super().shutdown()
 
 
-__all__ = ["RolloutRLVRConfig", "RolloutRLVRPipeline", "engine_roles"]
+def _demo_rlvr_default() -> RolloutRLVRConfig:
+    """The demo's GRPO stage on the rollout system: its settings, with the engines in workers of their own."""
+    base = _rlvr_default()
+    kept = {f.name: getattr(base, f.name) for f in dataclasses.fields(RLVRConfig) if f.name not in ("pipeline_cls", "reward")}
+    return RolloutRLVRConfig(**{**kept, "colocate_actor_rollout": False})
+
+
+@dataclass
+class RolloutDemoConfig(DemoConfig):
+    """The demo (SFT, then GRPO from its checkpoint) with the GRPO stage on the rollout system (`rlvr.rollout_system`)."""
+
+    pipeline_cls: str = "baton.pipelines.rollout_rlvr:RolloutDemoPipeline"
+    rlvr: RolloutRLVRConfig = field(default_factory=_demo_rlvr_default)
+
+
+class RolloutDemoPipeline(DemoPipeline):
+    config_cls = RolloutDemoConfig
+    rlvr_pipeline_cls = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
+
+
+__all__ = ["RolloutDemoConfig", "RolloutDemoPipeline", "RolloutRLVRConfig", "RolloutRLVRPipeline", "engine_roles"]

@@ -36,6 +36,7 @@ class RolloutSystemConfig:
     watchdog_s: a step that gets no finished group for this long stops with an error naming the silent engines.
     save_rollouts: a path template with `{rollout_id}`: every rollout's groups are written there (jsonl).
     load_rollouts: a path template: train on the saved rollouts instead of generating (train-only mode).
+    rollout_only: generate (and save) each step's rollout and train nothing (the weights stay as loaded).
     """
 
     mode: str = "sync"
@@ -53,6 +54,7 @@ class RolloutSystemConfig:
     watchdog_s: float = 600.0
     save_rollouts: str | None = None
     load_rollouts: str | None = None
+    rollout_only: bool = False
     # The router: one poll of an engine waits this long for a result; health checked this often; a request retried
     # on this many further engines when its engine dies.
     poll_s: float = 0.02
@@ -82,5 +84,7 @@ class RolloutSystemConfig:
             if template is not None and "{rollout_id}" not in template:
                 raise ValueError(f"rollout_system.{name} {template!r} must contain '{{rollout_id}}' (e.g. "
                                  "runs/x/rollouts/{rollout_id}.jsonl)")
+        if self.rollout_only and self.load_rollouts is not None:
+            raise ValueError("rollout_system.rollout_only with load_rollouts would neither generate nor train; set one")
         if self.mask_stale_partial_tokens and not self.partial_rollout:
             raise ValueError("rollout_system.mask_stale_partial_tokens needs partial_rollout: true")

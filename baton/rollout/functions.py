@@ -161,18 +161,19 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 
 
 def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
-    """SFT through the rollout machinery (slime's `sft_rollout`): no generation; each prompt's sample is its
-    dataset response (metadata `response`, the data's sft response field), tokenized with an eos, rewarded 1."""
+    """SFT through the rollout machinery (slime's `sft_rollout`): no generation; each prompt's sample is its dataset
+    response (the sample's metadata field `args.response_key`, else its label), tokenized with an eos after it,
+    rewarded 1. Train it with the SFT loss (`loss: sft`)."""
     groups = data_source.get_samples(args.num_groups_per_step)
     eos = args.tokenizer.eos_token_id
     for group in groups:
         for sample in group:
-            if "response" not in sample.metadata:
-                raise ValueError(f"{sample.where()}: sft_rollout needs the dataset response in the sample's metadata "
-                                 "('response'); give the data a response field (data.response_key)")
-            ids = args.tokenizer(str(sample.metadata["response"]), add_special_tokens=False)["input_ids"] + [eos]
-            sample.response = str(sample.metadata["response"])
-            sample.response_ids, sample.loss_mask = ids, None
+            response = sample.metadata.get(args.response_key, sample.label)
+            if response is None or isinstance(response, (list, tuple)):
+                raise ValueError(f"{sample.where()}: sft_rollout needs one response per prompt in the sample's "
+                                 f"{args.response_key!r} field (or a label), got {response!r}; set data.response_key")
+            ids = args.tokenizer(str(response), add_special_tokens=False)["input_ids"] + [eos]
+            sample.response, sample.response_ids, sample.loss_mask = str(response), ids, None
             sample.rollout_log_probs, sample.weight_versions = [0.0] * len(ids), [args.weight_version] * len(ids)
             sample.status, sample.reward = Status.COMPLETED, 1.0
     return groups

@@ -67,6 +67,7 @@ class RolloutContext:
         self.metrics: dict[str, float] = {}
         self._ids = itertools.count()
         self._in_flight: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
+        self.response_key = manager.response_key  # the dataset field SFT trains on (`sft_rollout`)
         self._generate = _load(self.config.generate_function, "generate_function") or generate_sample
         self._filter = _load(self.config.dynamic_filter, "dynamic_filter")
 
@@ -129,7 +130,7 @@ class RolloutManager:
                  reward_fn: Any = "exact_match", reward_on_error: str = "raise", reward_num_processes: int = 0,
                  reward_timeout_s_per_row: float | None = None, probe: DataProto | None = None, probe_atol: float = 1e-4,
                  eval_sets: dict | None = None, eval_sampling_params: SamplingParams | None = None,
-                 max_prompt_len: int | None = None, engines_on_gpu: bool = False):
+                 max_prompt_len: int | None = None, engines_on_gpu: bool = False, response_key: str = "response"):
         self.config, self.engines, self.data_source, self.tokenizer = config, list(engines), data_source, tokenizer
         self.sampling_params = sampling_params
         self.num_groups_per_step = num_groups_per_step
@@ -137,7 +138,7 @@ class RolloutManager:
         self.probe, self.probe_atol = probe, probe_atol
         self.eval_sets = eval_sets or {}
         self.eval_sampling_params = eval_sampling_params or SamplingParams(temperature=0.0, n=1)
-        self.max_prompt_len = max_prompt_len
+        self.max_prompt_len, self.response_key = max_prompt_len, response_key
         self.rollout_fn = _load(config.rollout_function, "rollout_function")
         self.rewarder = GroupRewarder(reward_fn, on_error=reward_on_error, num_processes=reward_num_processes,
                                       timeout_s_per_row=reward_timeout_s_per_row,

@@ -6,12 +6,35 @@ generation; a group is waited on at most `timeout_s`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from typing import Any, Callable, Mapping
 
 from baton.rewards import PRED, ScoringPool, score_rows
 from baton.rollout.sample import Sample
+
+
+def in_thread(fn: Callable, *args) -> asyncio.Future:
+    """`fn(*args)` in a daemon thread of its own, awaited on the running loop. One thread per call: a reward that
+    hangs holds only its own thread (given up on by the timeouts, it cannot starve the others of a pool's)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value=None, error: BaseException | None = None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as error:  # the user's function: handed to the awaiting task
+            outcome = (None, error)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for it any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="rollout-reward", daemon=True).start()
+    return future
 
 
 class RewardTimeout(TimeoutError):
@@ -34,7 +57,7 @@ class GroupRewarder:
                  timeout_s: float | None = 60.0):
         self.reward_fn, self.on_error, self.custom, self.timeout_s = reward_fn, on_error, custom, timeout_s
         self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes and custom is None else None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-reward")  # score_rows: one group at a time
+        self._pool_lock = threading.Lock()  # the scoring pool serves one group at a time
         self.num_errors = 0
 
     async def __call__(self, args: Any, group: list[Sample]) -> None:
@@ -47,11 +70,12 @@ class GroupRewarder:
     async def _score(self, args: Any, group: list[Sample]) -> None:
         if self.custom is not None:
             for sample in group:
-                value = self.custom(args, sample)
-                sample.reward = await value if inspect.isawaitable(value) else value
+                if inspect.iscoroutinefunction(self.custom):
+                    sample.reward = await self.custom(args, sample)
+                else:
+                    sample.reward = await in_thread(self.custom, args, sample)
             return
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, self._score_rows, group)
+        result = await in_thread(self._score_rows, group)
         self.num_errors += result.num_errors
         for row, sample in enumerate(group):
             extras = {key: values[row] for key, values in result.extras.items()}
@@ -62,10 +86,10 @@ class GroupRewarder:
     def _score_rows(self, group: list[Sample]):
         keys = set.intersection(*(set(s.metadata) for s in group)) - {"prompt"}
         columns = {"prompt": [s.prompt for s in group], **{k: [s.metadata[k] for s in group] for k in sorted(keys)}}
-        return score_rows(self.reward_fn, [s.response for s in group], [s.label for s in group], columns,
-                          self.on_error, self.pool)
+        with self._pool_lock if self.pool is not None else contextlib.nullcontext():
+            return score_rows(self.reward_fn, [s.response for s in group], [s.label for s in group], columns,
+                              self.on_error, self.pool)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             self.pool.close()

@@ -1,0 +1,236 @@
+"""RLVR on the rollout system (`RolloutRLVRPipeline`), on the local backend with the tiny model: the three modes and
+their staleness bound (also across a resume), exact resume, dump → replay, rollout-only, the SFT rollout function,
+custom functions by import path, over-sampling with a filter, an abort that does not wait on a slow reward, partial
+rollouts resumed over two weight versions, and eval per dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from baton.pipelines.base import run_pipeline
+from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, TrainerConfig
+from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
+from baton.rollout import Sample, Status, samples_to_data
+from baton.rollout.config import RolloutSystemConfig
+from baton.rollout.functions import generate_rollout, generate_sample
+from baton.strategy import SamplingParams, StrategyConfig
+
+THIS = "test_rollout_pipeline"  # tests/ is on sys.path: functions here are importable by path
+
+
+def tiny(run_dir, num_steps=4, engines=2, **system) -> RolloutRLVRConfig:
+    return RolloutRLVRConfig(
+        actor=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2")),
+        rollout=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"), world_size=engines),
+        data=DataConfig(max_operand=9, num_val_examples=8),
+        sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
+        val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
+        trainer=TrainerConfig(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, val_every_steps=2,
+                              save_every_steps=2, progress_bar=False, num_steps=num_steps),
+        rollout_system=RolloutSystemConfig(**system))
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def steps(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in records(run_dir) if r["step"] > 0}
+
+
+@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("async", 1)])
+def test_each_mode_trains_within_its_staleness_bound(tmp_path, mode, bound):
+    summary = run_pipeline(RolloutRLVRPipeline, tiny(tmp_path, mode=mode, max_staleness=1))
+    by_step = steps(tmp_path)
+    assert sorted(by_step) == [1, 2, 3, 4]
+    for record in by_step.values():
+        assert record["rollout/staleness/max"] <= bound
+        assert record["rollout/num_groups"] == 4  # the step got the groups it needs
+        for key in ("actor/pg_loss", "critic/score/mean", "timing_s/gen", "timing_s/sync", "router/engine_1/served"):
+            assert key in record, key
+    if mode == "one_step_off":  # step N+1's rollout ran while step N trained: one version old, from step 2 on
+        assert [by_step[s]["rollout/staleness/max"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert summary["final_val_accuracy"] == by_step[4]["val/accuracy"]
+    assert os.path.isdir(tmp_path / "checkpoints" / "step_4" / "actor")
+
+
+def test_async_staleness_bound_holds_across_a_resume(tmp_path):
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path, num_steps=2, mode="async", max_staleness=1))
+    config = tiny(tmp_path, num_steps=5, mode="async", max_staleness=1)
+    config.trainer.resume = "latest"
+    run_pipeline(RolloutRLVRPipeline, config)
+    by_step = steps(tmp_path)
+    assert sorted(by_step) == [1, 2, 3, 4, 5]
+    assert all(by_step[s]["rollout/staleness/max"] <= 1 for s in by_step)
+
+
+def test_a_sync_run_resumes_exactly(tmp_path):
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "whole"))
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "split", num_steps=2))
+    config = tiny(tmp_path / "split")
+    config.trainer.resume = "latest"
+    run_pipeline(RolloutRLVRPipeline, config)
+    whole, split = steps(tmp_path / "whole"), steps(tmp_path / "split")
+    for step in (3, 4):
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+            assert split[step][key] == whole[step][key], (step, key)
+
+
+def test_saved_rollouts_replay_to_the_same_training_metrics(tmp_path):
+    template = str(tmp_path / "rollouts" / "{rollout_id}.jsonl")
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "original", save_rollouts=template))
+    assert sorted(os.listdir(tmp_path / "rollouts")) == [f"{i}.jsonl" for i in (1, 2, 3, 4)]
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "replay", load_rollouts=template))
+    original, replay = steps(tmp_path / "original"), steps(tmp_path / "replay")
+    for step in (1, 2, 3, 4):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
+            assert replay[step][key] == original[step][key], (step, key)
+
+
+def test_rollout_only_generates_and_saves_without_training(tmp_path):
+    template = str(tmp_path / "rollouts" / "{rollout_id}.jsonl")
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "run", num_steps=2, rollout_only=True, save_rollouts=template))
+    by_step = steps(tmp_path / "run")
+    assert all(not any(key.startswith("actor/") for key in record) for record in by_step.values())
+    assert sorted(os.listdir(tmp_path / "rollouts")) == ["1.jsonl", "2.jsonl"]
+
+
+def test_the_sft_rollout_function_trains_sft(tmp_path):
+    config = tiny(tmp_path, num_steps=8, engines=1, rollout_function="baton.rollout.functions:sft_rollout")
+    config.loss = "sft"
+    config.trainer.num_prompts_per_step = 16
+    config.actor.strategy.optimizer.lr = 3e-3
+    run_pipeline(RolloutRLVRPipeline, config)
+    losses = [steps(tmp_path)[s]["actor/loss"] for s in range(1, 9)]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+CALLS: list[tuple[str, int]] = []
+
+
+def recording_rollout(args, rollout_id, data_source, evaluation=False):
+    CALLS.append(("rollout", rollout_id))
+    return generate_rollout(args, rollout_id, data_source, evaluation)
+
+
+async def tagging_generate(args, sample, params):
+    sample = await generate_sample(args, sample, params)
+    sample.metadata["tagged"] = True
+    CALLS.append(("generate", sample.group_index))
+    return sample
+
+
+def odd_groups_dropped(args, group):
+    return group[0].group_index % 2 == 0, "odd"
+
+
+def test_custom_rollout_generate_and_filter_functions_by_import_path(tmp_path):
+    CALLS.clear()
+    config = tiny(tmp_path, num_steps=2, rollout_function=f"{THIS}:recording_rollout",
+                  generate_function=f"{THIS}:tagging_generate", dynamic_filter=f"{THIS}:odd_groups_dropped",
+                  over_sampling_factor=2.0, save_rollouts=str(tmp_path / "r{rollout_id}.jsonl"))
+    run_pipeline(RolloutRLVRPipeline, config)
+    assert [c for c in CALLS if c[0] == "rollout"] == [("rollout", 1), ("rollout", 2)]
+    assert any(c[0] == "generate" for c in CALLS)
+    by_step = steps(tmp_path)
+    for step in (1, 2):
+        assert by_step[step]["rollout/num_groups"] == 4  # exactly the groups the step needs
+        assert by_step[step]["rollout/num_dropped/odd"] >= 1
+        saved = [json.loads(line) for line in open(tmp_path / f"r{step}.jsonl")]
+        assert len(saved) == 8 and all(s["group_index"] % 2 == 0 and s["metadata"]["tagged"] for s in saved)
+
+
+RELEASE = threading.Event()  # set at the end of the test: a reward that sleeps never outlives it
+
+
+def slow_for_odd_groups(args, sample):
+    if sample.group_index % 2 and args.sampling_params.temperature > 0:  # training's groups; validation is greedy
+        RELEASE.wait(timeout=600)
+    return 1.0 if sample.response.strip() == sample.label else float(sample.sample_index)  # rewards differ
+
+
+def test_an_abort_does_not_wait_on_a_slow_reward(tmp_path):
+    RELEASE.clear()
+    config = tiny(tmp_path, num_steps=1, reward_function=f"{THIS}:slow_for_odd_groups", over_sampling_factor=2.0,
+                  abort_timeout_s=0.5)
+    config.trainer.val_before_train = False
+    done = threading.Event()
+
+    def run():
+        try:
+            run_pipeline(RolloutRLVRPipeline, config)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        # 4 of the 8 groups started reward at once; the other 4 sleep until RELEASE: the step takes the 4 and the
+        # abort gives up on the sleeping ones after abort_timeout_s.
+        assert done.wait(timeout=120), "the step waited on the slow rewards"
+    finally:
+        RELEASE.set()
+        thread.join(timeout=60)
+    record = steps(tmp_path)[1]
+    assert record["rollout/num_groups"] == 4 and record["rollout/num_aborted_groups"] == 4
+
+
+def test_a_partial_sample_resumes_over_two_weight_versions(tmp_path):
+    config = tiny(tmp_path, num_steps=1, engines=1, partial_rollout=True, mask_stale_partial_tokens=True)
+    pipeline = RolloutRLVRPipeline(config)
+    try:
+        manager = pipeline.rollouts
+        [group] = manager.data_source.get_samples(1)
+        ctx = manager.context()
+        long = SamplingParams(temperature=1.0, max_new_tokens=12, n=1, stop_token_ids=())
+        first = ctx.run(generate_sample(ctx, group[0], SamplingParams(temperature=1.0, max_new_tokens=5, n=1,
+                                                                      stop_token_ids=())))
+        first.status = Status.ABORTED  # as an abort after 5 tokens leaves it
+        assert first.weight_versions == [0] * 5
+        manager.update_weights(pipeline.actor, version=1)
+        sample = ctx.run(generate_sample(ctx, first, long))
+        assert sample.status == Status.TRUNCATED and sample.response_length == 12
+        assert sample.weight_versions == [0] * 5 + [1] * 7  # the prefix keeps its version
+        assert sample.loss_mask == [0] * 5 + [1] * 7  # the older policy's tokens are masked out of the loss
+        assert sample.metadata["num_resumes"] == 1
+        sample.reward = 1.0
+        data = samples_to_data([sample], pipeline.tokenizer.pad_token_id, 1.0)
+        assert data.batch["response_mask"][0].tolist() == [0] * 5 + [1] * 7
+        assert data.batch["attention_mask"][0, -12:].tolist() == [1] * 12
+    finally:
+        pipeline.shutdown()
+
+
+def test_a_mismatched_loss_mask_names_the_sample():
+    sample = Sample(group_index=3, sample_index=1, prompt="1+1=", prompt_ids=[1, 2], response_ids=[5, 6],
+                    loss_mask=[1], rollout_log_probs=[0.0, 0.0], weight_versions=[0, 0], status=Status.COMPLETED,
+                    reward=1.0)
+    with pytest.raises(ValueError, match="group 3 sample 1: loss_mask has 1 entries but the response has 2"):
+        samples_to_data([sample], 0, 1.0)
+
+
+def prompt_length(response, ground_truth, prompt, **fields):
+    return float(len(prompt))
+
+
+def test_each_eval_set_gets_its_own_metrics(tmp_path):
+    files = {"short": ["1+1=", "2+2="], "long": ["11+11=", "12+12=", "13+13="]}
+    paths = {}
+    for name, prompts in files.items():
+        paths[name] = str(tmp_path / f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            for prompt in prompts:
+                f.write(json.dumps({"prompt": prompt, "answer": "0"}) + "\n")
+    config = tiny(tmp_path / "run", num_steps=2)
+    config.eval_files, config.reward_fn = paths, f"{THIS}:prompt_length"
+    run_pipeline(RolloutRLVRPipeline, config)
+    record = steps(tmp_path / "run")[2]
+    assert record["eval/short/reward/mean"] == 4.0 and record["eval/long/reward/mean"] == 6.0
+    for name in files:
+        for key in ("accuracy", "truncated_ratio", "response_length/mean"):
+            assert f"eval/{name}/{key}" in record
+    assert "val/accuracy" in record
