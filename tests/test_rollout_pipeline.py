@@ -234,3 +234,27 @@ def test_each_eval_set_gets_its_own_metrics(tmp_path):
         for key in ("accuracy", "truncated_ratio", "response_length/mean"):
             assert f"eval/{name}/{key}" in record
     assert "val/accuracy" in record
+
+
+def test_engines_sharing_the_actors_device_sleep_while_it_trains(tmp_path, capfd):
+    config = tiny(tmp_path, num_steps=2, engines=1)  # engine 0 and the actor both on device 0
+    config.trainer.offload_idle_roles = True
+    run_pipeline(RolloutRLVRPipeline, config)
+    by_step = steps(tmp_path)
+    assert all("timing_s/offload" in by_step[s] and "timing_s/reload" in by_step[s] for s in (1, 2))
+    assert capfd.readouterr().err.count("offload/onload hold their steps but free no memory") == 1  # said once
+
+
+async def never_returns(args, sample, params):
+    import asyncio
+
+    await asyncio.sleep(3600)
+
+
+def test_a_rollout_that_gets_no_samples_stops_with_the_silent_stage(tmp_path):
+    from baton.rollout.functions import RolloutStalledError
+
+    config = tiny(tmp_path, num_steps=1, engines=1, generate_function=f"{THIS}:never_returns", watchdog_s=0.5)
+    config.trainer.val_before_train = False
+    with pytest.raises(RolloutStalledError, match=r"rollout 1: no group finished within 0.5 s .*watchdog_s.*engine 0"):
+        run_pipeline(RolloutRLVRPipeline, config)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from baton.config import ConfigError
 from baton.datasets import PromptDataset
-from baton.pipelines.base import Pipeline, on_gpus
+from baton.pipelines.base import Pipeline, cluster_devices, on_gpus
 from baton.pipelines.config import RLVRConfig, RoleConfig
 from baton.pipelines.data import load_prompt_file
 from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
@@ -135,9 +136,25 @@ class RolloutRLVRPipeline(RLVRPipeline):
             probe_atol=probe_tolerance(config.actor, config.rollout), eval_sets=eval_sets,
             eval_sampling_params=config.val_sampling.params(seed=0), max_prompt_len=data.max_prompt_len,
             engines_on_gpu=on_gpus(self.manager), response_key=data.sft_response_key)
+        self.time_share = self.engines_share_devices(clusters, list(engines))
         self.rollouts.update_weights(self.actor, version=0)
         self.next_rollout: concurrent.futures.Future | None = None  # one_step_off: the next step's, running
         self.maybe_resume()
+
+    def engines_share_devices(self, clusters: dict, engines: list[str]) -> bool:
+        """Whether the engines sleep while the training roles compute (`trainer.offload_idle_roles`: "auto" on GPUs,
+        true on CPU too, where it frees nothing): where an engine shares a device with them, in sync mode only (the
+        overlapped modes generate while training runs)."""
+        setting, mode = self.trainer.offload_idle_roles, self.config.rollout_system.mode
+        training = {d for name in ("actor", "reference", "critic") if name in clusters
+                    for d in cluster_devices(clusters[name])}
+        shared = any(cluster_devices(clusters[name]) & training for name in engines)
+        wanted = setting is True or (setting == "auto" and on_gpus(self.manager))
+        if shared and wanted and mode != "sync":
+            warnings.warn(f"rollout_system.mode {mode!r} generates while the actor trains, so engines that share its "
+                          "devices cannot sleep meanwhile (trainer.offload_idle_roles is ignored); give the engines "
+                          "devices of their own (rollout.device_mapping)", stacklevel=3)
+        return shared and wanted and mode == "sync"
 
     @classmethod
     def load_data(cls, config: RolloutRLVRConfig):
@@ -219,7 +236,13 @@ class RolloutRLVRPipeline(RLVRPipeline):
                         groups, trained_version=step - 1, temperature=self.config.sampling.temperature)
                 batch, train_metrics, sync_metrics = batch, {}, {}
                 if not system.rollout_only:
+                    if self.time_share:  # the engines sleep while the training roles use their devices
+                        with self.timer("offload"):
+                            self.rollouts.offload()
                     batch, train_metrics = self.train(batch)
+                    if self.time_share:
+                        with self.timer("reload"):
+                            self.rollouts.onload()
                     with self.timer("sync"):
                         sync_metrics = self.rollouts.update_weights(self.actor, version=step)
             metrics = {**self.rollout_metrics(batch), **rollout_metrics, **data_metrics, **train_metrics,

@@ -374,7 +374,8 @@ class RolloutManager:
         engines = [f"engine {i}: {metrics[f'router/engine_{i}/outstanding']:g} outstanding, "
                    f"{metrics[f'router/engine_{i}/served']:g} served" for i in range(len(self.engines))]
         silent = [i for i in range(len(self.engines)) if metrics[f"router/engine_{i}/outstanding"] > 0]
-        stage = "generation" if self.router.num_in_flight else "reward (no request in flight)"
+        stage = ("generation (engine requests outstanding)" if self.router.num_in_flight else
+                 "the generate or reward functions (no engine request in flight)")
         return (f"{what}; stalled in {stage}; silent engines (requests outstanding): {silent or 'none'}; "
                 + "; ".join(engines))
 
