@@ -111,7 +111,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
         if config.critic is not None:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
-        engines = engine_roles(config.rollout)
+        engines = engine_roles(config.rollout) if system.load_rollouts is None else {}  # train-only: no engines
         roles.update({name: (EngineWorker, role, (role.strategy, system.max_num_seqs_per_engine))
                       for name, role in engines.items()})
         clusters = self.create_clusters(roles)
@@ -137,7 +137,8 @@ class RolloutRLVRPipeline(RLVRPipeline):
             eval_sampling_params=config.val_sampling.params(seed=0), max_prompt_len=data.max_prompt_len,
             engines_on_gpu=on_gpus(self.manager), response_key=data.sft_response_key)
         self.time_share = self.engines_share_devices(clusters, list(engines))
-        self.rollouts.update_weights(self.actor, version=0)
+        if engines:
+            self.rollouts.update_weights(self.actor, version=0)
         self.next_rollout: concurrent.futures.Future | None = None  # one_step_off: the next step's, running
         self.maybe_resume()
 
@@ -191,7 +192,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
-        if self.resumed_from_step is not None:
+        if self.resumed_from_step is not None and self.rollouts.engines:
             self.rollouts.update_weights(self.actor, version=self.global_step)
 
     def do_checkpoint(self, step: int) -> str:
@@ -222,6 +223,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
 
     def run(self) -> dict:
         trainer, system = self.config.trainer, self.config.rollout_system
+        engines = self.rollouts.engines
         tracker = self.make_tracker()
         start = time.perf_counter()
         first_val = self.first_validation()
@@ -244,7 +246,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
                         with self.timer("reload"):
                             self.rollouts.onload()
                     with self.timer("sync"):
-                        sync_metrics = self.rollouts.update_weights(self.actor, version=step)
+                        sync_metrics = self.rollouts.update_weights(self.actor, version=step) if engines else {}
             metrics = {**self.rollout_metrics(batch), **rollout_metrics, **data_metrics, **train_metrics,
                        **sync_metrics, **self.timings}
             if self.signal_watch is not None:

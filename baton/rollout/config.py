@@ -23,6 +23,9 @@ class RolloutSystemConfig:
     generate_function: per sample, `async fn(args, sample, params) -> Sample` (None: one engine request, resumed
         from the sample's partial response). reward_function: `fn(args, sample) -> float | dict` (a coroutine
         function or a plain one; None: the pipeline's `reward_fn` over the decoded response).
+    eval_function: `fn(args, rollout_id, data_sources, evaluation=True) -> {name: list[list[Sample]]}`, every eval
+        set's rewarded groups (`data_sources`: name -> a `RolloutDataSource` over that set); the manager computes
+        `eval/{name}/...` from them.
     over_sampling_factor: prompt groups started per group the step needs (DAPO's over-sampling); groups that pass
         `dynamic_filter` (`fn(args, group) -> bool | (bool, reason)`; None keeps every group) are kept until the step
         has enough, and the rest are aborted and go back to the buffer.
@@ -35,7 +38,8 @@ class RolloutSystemConfig:
         group past it is dropped (`rollout/num_dropped/reward_timeout`).
     watchdog_s: a step that gets no finished group for this long stops with an error naming the silent engines.
     save_rollouts: a path template with `{rollout_id}`: every rollout's groups are written there (jsonl).
-    load_rollouts: a path template: train on the saved rollouts instead of generating (train-only mode).
+    load_rollouts: a path template: train on the saved rollouts instead of generating (train-only mode: no engines
+        start, and nothing is validated).
     rollout_only: generate (and save) each step's rollout and train nothing (the weights stay as loaded).
     """
 
@@ -44,6 +48,7 @@ class RolloutSystemConfig:
     rollout_function: str = "baton.rollout.functions:generate_rollout"
     generate_function: str | None = None
     reward_function: str | None = None
+    eval_function: str = "baton.rollout.functions:eval_rollout"
     over_sampling_factor: float = 1.0
     dynamic_filter: str | None = None
     partial_rollout: bool = False

@@ -160,6 +160,21 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     return args.run(generate_rollout_async(args, rollout_id, data_source, evaluation))
 
 
+async def eval_rollout_async(args, rollout_id: int, data_sources: dict, evaluation: bool = True) -> dict:
+    """Every prompt of every eval set (`data_sources`: name -> its data source), generated and rewarded."""
+    out = {}
+    for name, source in data_sources.items():
+        groups = source.get_samples(len(source.dataset))
+        await asyncio.gather(*(generate_group(args, group, args.sampling_params) for group in groups))
+        out[name] = groups
+    return out
+
+
+def eval_rollout(args, rollout_id: int, data_sources: dict, evaluation: bool = True) -> dict:
+    """The default eval function: {name: groups} of every eval set, on the manager's event loop."""
+    return args.run(eval_rollout_async(args, rollout_id, data_sources, evaluation))
+
+
 def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
     """SFT through the rollout machinery (slime's `sft_rollout`): no generation; each prompt's sample is its dataset
     response (the sample's metadata field `args.response_key`, else its label), tokenized with an eos after it,
@@ -179,6 +194,6 @@ def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) ->
     return groups
 
 
-__all__ = ["RolloutStalledError", "abort_groups", "generate_group", "generate_rollout", "generate_rollout_async",
+__all__ = ["RolloutStalledError", "abort_groups", "eval_rollout", "eval_rollout_async", "generate_group", "generate_rollout", "generate_rollout_async",
            "generate_sample", "nonzero_reward_std", "reset_sample", "sft_rollout", "too_stale"]
 
