@@ -126,7 +126,7 @@ async def abort_groups(args, running: dict[asyncio.Task, list[Sample]], data_sou
     tokens kept), else as fresh prompts. Waits at most `abort_timeout_s` (a reward still running is given up on)."""
     if not running:
         return
-    args.abort([sample for group in running.values() for sample in group])
+    await args.abort([sample for group in running.values() for sample in group])
     done, pending = await asyncio.wait(running, timeout=args.config.abort_timeout_s)
     for task in pending:
         task.cancel()

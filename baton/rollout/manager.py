@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import inspect
 import itertools
 import sys
@@ -66,7 +67,7 @@ class RolloutContext:
         self.num_groups_per_step = num_groups_per_step
         self.metrics: dict[str, float] = {}
         self._ids = itertools.count()
-        self._in_flight: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
+        self._request_ids: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
         self.response_key = manager.response_key  # the dataset field SFT trains on (`sft_rollout`)
         self._generate = _load(self.config.generate_function, "generate_function") or generate_sample
         self._filter = _load(self.config.dynamic_filter, "dynamic_filter")
@@ -78,18 +79,13 @@ class RolloutContext:
     def request_id(self, sample: Sample) -> str:
         """A fresh request id for `sample`; `generate_request` with it can be aborted by `abort([sample])`."""
         request_id = f"g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
-        self._in_flight[(sample.group_index, sample.sample_index)] = request_id
+        self._request_ids[(sample.group_index, sample.sample_index)] = request_id
         return request_id
 
     async def generate_request(self, request: GenerationRequest, affinity_key: str | None = None) -> GenerationResult:
         """One request through the router; requests with one `affinity_key` (a multi-turn conversation's id) go to
         one engine, whose prefix cache then holds the conversation."""
-        try:
-            return await asyncio.wrap_future(self.router.generate(request, affinity_key))
-        finally:
-            for key, request_id in list(self._in_flight.items()):
-                if request_id == request.request_id:
-                    del self._in_flight[key]
+        return await asyncio.wrap_future(self.router.generate(request, affinity_key))
 
     async def generate(self, sample: Sample, params: SamplingParams) -> Sample:
         return await self._generate(self, sample, params)
@@ -104,18 +100,18 @@ class RolloutContext:
         verdict = self._filter(self, group)
         return verdict if isinstance(verdict, tuple) else (bool(verdict), "filtered")
 
-    def abort(self, samples: Sequence[Sample]) -> None:
-        ids = [self._in_flight[key] for key in ((s.group_index, s.sample_index) for s in samples)
-               if key in self._in_flight]
+    async def abort(self, samples: Sequence[Sample]) -> None:
+        """Abort the samples' requests in flight (bounded by `abort_timeout_s`); their generate calls return the
+        partial responses. Runs off the event loop, which keeps serving the other tasks meanwhile."""
+        ids = [self._request_ids[key] for key in ((s.group_index, s.sample_index) for s in samples)
+               if key in self._request_ids]  # the router skips ids no longer in flight
         if ids:
-            self.router.abort(ids, timeout_s=self.config.abort_timeout_s)
+            await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                self.router.abort, ids, timeout_s=self.config.abort_timeout_s))
 
     def run(self, coro, timeout_s: float | None = None):
         """Run a coroutine on the manager's event loop from a plain (synchronous) rollout function."""
         return self._manager.loop.run(coro, timeout_s)
-
-    def router_metrics(self) -> dict[str, float]:
-        return self.router.metrics() if self.router is not None else {}
 
     def describe_stall(self, what: str) -> str:
         return self._manager.describe_stall(what)
