@@ -27,10 +27,12 @@ CONTROL_TIMEOUT_S = 120.0  # abort, pause, health, sleep: each returns at a deco
 
 @dataclass(frozen=True)
 class RequestFailure:
-    """A request the engine refused or failed on (a bad request, or the engine's step raised): `error` says why."""
+    """A request the engine refused or failed on: `error` says why. `engine_failed`: the engine's step raised (or
+    it serves nothing more), not the request's fault; False for a request the engine refused (a ValueError)."""
 
     request_id: str
     error: str
+    engine_failed: bool = False
 
 
 class EngineWorker(Worker):
@@ -68,7 +70,7 @@ class EngineWorker(Worker):
         try:
             self._done.put(future.result())
         except BaseException as error:  # a refused request or a failed step: the router decides what to do
-            self._done.put(RequestFailure(request_id, repr(error)))
+            self._done.put(RequestFailure(request_id, repr(error), engine_failed=not isinstance(error, ValueError)))
 
     @register(Dispatch.ONE_TO_ALL_ONE)
     def poll(self, max_wait_s: float = 0.05) -> list[GenerationResult | RequestFailure]:

@@ -82,7 +82,8 @@ class Router:
 
     def submit(self, requests: Iterable[GenerationRequest],
                affinity_keys: Iterable[str | None] | None = None) -> list[concurrent.futures.Future]:
-        """Route `requests` (one future each, settled with its `GenerationResult`); one call per engine."""
+        """Route `requests` (one future each, settled with its `GenerationResult`); one call per engine. The futures
+        cannot be cancelled (`cancel()` returns False): `abort` stops a request."""
         requests = list(requests)
         keys = list(affinity_keys) if affinity_keys is not None else [None] * len(requests)
         if len(keys) != len(requests):
@@ -91,13 +92,19 @@ class Router:
         with self._lock:
             if self._closed.is_set():
                 raise RuntimeError("the router is closed")
-            for request, key in zip(requests, keys):
-                if request.request_id in self._requests:
+            seen = set()
+            for request in requests:  # all checked before any is taken, so a refused call leaves nothing behind
+                if request.request_id in self._requests or request.request_id in seen:
                     raise ValueError(f"request {request.request_id!r} is already in flight; request ids must be unique")
+                seen.add(request.request_id)
+            for request, key in zip(requests, keys):
                 entry = _Request(request, concurrent.futures.Future(), key)
+                entry.future.set_running_or_notify_cancel()  # settled only by the router; stop a request with abort
                 self._requests[request.request_id] = entry
                 entries.append(entry)
             by_engine = self._assign(entries)
+            stranded = [] if self.restart_engines else self._take_stranded()
+        self._fail(stranded, "no engine is alive and restart_engines is off")
         self._send(by_engine)
         return [entry.future for entry in entries]
 
@@ -204,6 +211,20 @@ class Router:
             entry.future.set_result(item)
         return True
 
+    def _take_stranded(self) -> list[_Request]:
+        """Under the lock: when no engine is alive, the requests waiting for one, taken out (to fail them)."""
+        if any(s.alive for s in self._state):
+            return []
+        stranded = [e for e in self._requests.values() if e.engine is None]
+        for entry in stranded:
+            del self._requests[entry.request.request_id]
+        return stranded
+
+    @staticmethod
+    def _fail(entries: list[_Request], reason: str) -> None:
+        for entry in entries:
+            entry.future.set_exception(EngineFailedError(f"request {entry.request.request_id!r}: {reason}"))
+
     # --- the engines' threads ----------------------------------------------------------------------
 
     def _pump(self, index: int) -> None:
@@ -213,8 +234,13 @@ class Router:
                 self._closed.wait(0.1)
                 continue
             try:
-                for item in self.engines[index].poll(self.poll_s):
-                    self._settle(index, item)
+                items = self.engines[index].poll(self.poll_s)
+                step_failures = [i for i in items if isinstance(i, RequestFailure) and i.engine_failed]
+                for item in items:
+                    if item not in step_failures:
+                        self._settle(index, item)
+                if step_failures:  # its requests are not at fault: retried elsewhere, like a dead engine's
+                    raise RuntimeError(f"engine {index} failed: {step_failures[0].error}")
                 if time.monotonic() >= next_health:
                     next_health = time.monotonic() + self.health_interval_s
                     health = self.engines[index].health()
@@ -244,10 +270,12 @@ class Router:
             retried = [entry for entry in moved if entry not in failed]
             self._num_retries += len(retried)
             by_engine = self._assign(retried)
+            stranded = [] if self.restart_engines else self._take_stranded()
         for entry in failed:
             entry.future.set_exception(EngineFailedError(
                 f"request {entry.request.request_id!r} failed on {entry.attempts} engine(s); the last, engine {index}: "
                 f"{state.last_error}"))
+        self._fail(stranded, f"no engine is alive and restart_engines is off; engine {index}: {state.last_error}")
         self._send(by_engine)
         if self.restart_engines and threading.current_thread() is state.thread:
             self._restart(index)
@@ -262,13 +290,8 @@ class Router:
         except Exception as error:
             with self._lock:
                 self._state[index].last_error = f"restart failed: {error!r}"
-                none_alive = not any(s.alive for s in self._state)
-                stranded = [e for e in self._requests.values() if e.engine is None] if none_alive else []
-                for entry in stranded:
-                    del self._requests[entry.request.request_id]
-            for entry in stranded:
-                entry.future.set_exception(EngineFailedError(f"no engine is alive: engine {index} could not be "
-                                                             f"restarted: {error!r}"))
+                stranded = self._take_stranded()
+            self._fail(stranded, f"no engine is alive: engine {index} could not be restarted: {error!r}")
             return
         with self._lock:
             self._state[index].alive = True
