@@ -1,0 +1,231 @@
+"""The rollout system's three modes side by side: `sync`, `one_step_off` and `async` GRPO on the demo task.
+
+One run takes the demo's SFT checkpoint (tiny-qwen2 on the weak teacher's arithmetic: trained once by the demo's
+SFT stage and cached in the run directory, `--fresh` redoes it; or `--sft-checkpoint PATH`), then runs the same
+GRPO from it in each mode on a local Ray instance of `NUM_RAY_CPUS` CPUs: the actor in one worker on device slot
+0, one rollout engine in another on slot 1, each with one torch thread, so generation and training can run at
+the same time on two cores; the driver (router, manager, rewards) keeps one thread. Every mode trains on the same
+number of samples (steps × prompts × samples per prompt) from the same seed.
+
+The setting makes generation and training each take 35–65% of a `sync` step: 32 prompts × 16 samples per step
+(the demo: 64 × 8), and a heavier update, `NUM_PPO_EPOCHS` epochs of `NUM_MINI_BATCHES_PER_STEP` mini-batches
+in micro-batches of `MICRO_BATCH_SIZE` rows, at lr `LR` (lower than the demo's 3e-4, for 24 optimizer steps per
+step). The demo's answers stay ~3 tokens whatever `max_new_tokens` allows (the SFT model stops at eos).
+
+Per mode it prints the median seconds per step (the first `NUM_WARMUP_STEPS` dropped), the greedy held-out
+accuracy at the end (`val/accuracy`, 200 problems) and the split of a step:
+  gen   = `timing_s/gen`: the wait for the step's samples (in `sync` all of generation; in the overlapped modes
+          only what training did not hide);
+  train = step − gen: everything else in the step (old log-probs, advantages, the update, the weight sync),
+          as the median step minus the median gen, so that a sync step is gen + train.
+The sync run's gen and train are the work a step holds; an overlapped step takes at best max(gen, train) of
+them, so a mode's overlap efficiency is (sync gen + sync train) / its step, against the ideal
+(gen + train) / max(gen, train); `overlap_efficiency` in the JSON is the better overlapped mode's.
+
+    .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1] [--run-dir runs/bench_rollout]
+                                      [--sft-checkpoint PATH] [--fresh] [--json /tmp/rollout.json] [--check]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+# Ray starts its workers at niceness 15; the driver polls the engine and scores the rewards at 0. One priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
+import torch
+
+from common import finish, local_ray, parser as common_parser
+
+from baton.pipelines.base import checkpoint_path, list_checkpoints, run_pipeline
+from baton.pipelines.config import SamplingConfig
+from baton.pipelines.demo import DemoConfig, _from_checkpoint
+from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline, _demo_rlvr_default
+from baton.pipelines.sft import SFTPipeline
+from baton.rollout.config import RolloutSystemConfig
+
+MODES = ("sync", "one_step_off", "async")
+NUM_RAY_CPUS = 2
+
+SFT_STEPS = 1500  # the demo's SFT stage (about 2 minutes on two idle cores; 56.5% held-out accuracy)
+NUM_STEPS, NUM_STEPS_QUICK = 12, 3
+NUM_WARMUP_STEPS = 1
+NUM_PROMPTS_PER_STEP, NUM_PROMPTS_PER_STEP_QUICK = 32, 8  # --quick: a smoke run, its figures are not the bench's
+SAMPLES_PER_PROMPT = 16
+MAX_NEW_TOKENS = 12
+MAX_STALENESS = 1
+NUM_PPO_EPOCHS = 3
+NUM_MINI_BATCHES_PER_STEP = 8
+MICRO_BATCH_SIZE = 16
+LR = 1e-4
+
+TARGET_SPEEDUP = 1.3  # sync s/step ÷ mode s/step
+TARGET_ACCURACY_POINTS = 3.0  # |mode accuracy − sync accuracy|
+TARGET_STEP_OVER_MAX = 1.15  # mode s/step ÷ max(sync gen, sync train)
+TARGET_GEN_SHARE = (0.35, 0.65)  # of a sync step
+
+
+def sft_checkpoint(run_dir: str, fresh: bool, num_steps: int) -> str:
+    """The demo's SFT stage (its config, `num_steps` steps), trained once in this process and reused."""
+    demo = DemoConfig(run_dir=os.path.join(run_dir, f"sft_{num_steps}"), overwrite=True)
+    config = demo.stage("sft")
+    sft_dir = config.trainer.run_dir
+    final = os.path.join(checkpoint_path(sft_dir, num_steps), "actor")
+    if fresh:
+        shutil.rmtree(sft_dir, ignore_errors=True)
+    if os.path.isdir(final):
+        print(f"SFT checkpoint: reusing {final} (--fresh to redo it)")
+        return os.path.abspath(final)
+    print(f"SFT stage: the demo's, {num_steps} steps, in this process ...", flush=True)
+    trainer = dataclasses.replace(config.trainer, num_steps=num_steps, val_every_steps=num_steps, val_before_train=False,
+                                  save_every_steps=num_steps, keep_last_checkpoints=1, backend="local", progress_bar=False)
+    run_pipeline(SFTPipeline, dataclasses.replace(config, trainer=trainer))
+    assert list_checkpoints(sft_dir)[-1].endswith(f"step_{num_steps}")
+    return os.path.abspath(final)
+
+
+def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int,
+                seed: int) -> RolloutRLVRConfig:
+    """The demo's GRPO stage on the rollout system in `mode`, from `checkpoint`, with the bench's batch and update."""
+    base = _demo_rlvr_default()
+    trainer = dataclasses.replace(
+        base.trainer, num_steps=num_steps, num_prompts_per_step=num_prompts_per_step, val_every_steps=num_steps,
+        val_before_train=mode == "sync", save_every_steps=num_steps, keep_last_checkpoints=1, seed=seed,
+        run_dir=run_dir, overwrite=True, backend="ray", num_cpus=NUM_RAY_CPUS, progress_bar=False)
+    actor, rollout = _from_checkpoint(base.actor, checkpoint), _from_checkpoint(base.rollout, checkpoint)
+    actor = dataclasses.replace(actor, device_mapping=[0], num_threads_per_worker=1, strategy=dataclasses.replace(
+        actor.strategy, seed=seed, micro_batch_size_per_worker=MICRO_BATCH_SIZE,
+        optimizer=dataclasses.replace(actor.strategy.optimizer, lr=LR)))
+    rollout = dataclasses.replace(rollout, world_size=1, device_mapping=[1], num_threads_per_worker=1,
+                                  strategy=dataclasses.replace(rollout.strategy, seed=seed))
+    algorithm = dataclasses.replace(base.algorithm, num_ppo_epochs=NUM_PPO_EPOCHS,
+                                    num_mini_batches_per_step=NUM_MINI_BATCHES_PER_STEP)
+    return dataclasses.replace(
+        base, actor=actor, rollout=rollout, data=DemoConfig().data, trainer=trainer, algorithm=algorithm,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, num_samples_per_prompt=SAMPLES_PER_PROMPT),
+        rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS))
+
+
+def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int) -> dict:
+    """One GRPO run; its step split (medians over the steps after the warm-up), accuracies and wall time."""
+    start = time.perf_counter()
+    config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed)
+    summary = run_pipeline(RolloutRLVRPipeline, config)
+    wall_s = time.perf_counter() - start
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "timing_s/step" in r]
+    timed = records[NUM_WARMUP_STEPS:]
+    step_s = statistics.median(r["timing_s/step"] for r in timed)
+    gen_s = statistics.median(r["timing_s/gen"] for r in timed)
+    return {"mode": mode, "seed": seed, "step_s": step_s, "gen_s": gen_s, "train_s": step_s - gen_s,
+            "start_accuracy": summary["start_val_accuracy"], "accuracy": summary["final_val_accuracy"],
+            "final_reward": summary.get("final_reward"), "wall_s": wall_s,
+            "step_times_s": [r["timing_s/step"] for r in records], "gen_times_s": [r["timing_s/gen"] for r in records],
+            "stages_s": {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0.0) for r in timed)
+                         for k in records[0] if k.startswith("timing_s/")}}
+
+
+def load_average() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip().split("load average:")[-1].strip()
+
+
+def main() -> int:
+    parser = common_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help=f"GRPO steps per mode (default {NUM_STEPS}; "
+                                                                 f"--quick {NUM_STEPS_QUICK})")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--run-dir", default="runs/bench_rollout")
+    parser.add_argument("--sft-checkpoint", metavar="PATH", help="an HF checkpoint directory to start GRPO from")
+    parser.add_argument("--sft-steps", type=int, default=SFT_STEPS, help=f"SFT steps (default {SFT_STEPS})")
+    parser.add_argument("--fresh", action="store_true", help="train the SFT checkpoint again")
+    args = parser.parse_args()
+    num_steps = args.steps or (NUM_STEPS_QUICK if args.quick else NUM_STEPS)
+    num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else NUM_PROMPTS_PER_STEP
+    if num_steps <= NUM_WARMUP_STEPS:
+        parser.error(f"--steps must be > {NUM_WARMUP_STEPS} (the first steps are a warm-up)")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(NUM_RAY_CPUS)  # the SFT stage runs here, alone
+    load_start = load_average()
+    checkpoint = os.path.abspath(args.sft_checkpoint) if args.sft_checkpoint else \
+        sft_checkpoint(args.run_dir, args.fresh, args.sft_steps)
+    torch.set_num_threads(1)  # the driver of the GRPO runs stays light
+    print(f"GRPO from {checkpoint}: {num_steps} steps × {num_prompts_per_step} prompts × {SAMPLES_PER_PROMPT} samples "
+          f"(≤ {MAX_NEW_TOKENS} tokens) per mode, seeds {args.seeds}; actor and engine in separate Ray workers, "
+          f"1 torch thread each, {NUM_RAY_CPUS} Ray CPUs, {os.cpu_count()} cores; load average {load_start}", flush=True)
+    runs = []
+    with local_ray(NUM_RAY_CPUS):
+        for seed in args.seeds:
+            for mode in MODES:
+                run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
+                               num_prompts_per_step, seed)
+                runs.append(run)
+                print(f"  seed {seed} {mode:>12}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
+                      f"{run['wall_s']:.0f} s, load average {load_average()}", flush=True)
+    load_end = load_average()
+
+    def median_of(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["mode"] == mode)
+
+    sync_step_s, sync_gen_s = median_of("sync", "step_s"), median_of("sync", "gen_s")
+    sync_train_s = sync_step_s - sync_gen_s
+    bound_s = max(sync_gen_s, sync_train_s)
+    ideal_efficiency = (sync_gen_s + sync_train_s) / bound_s
+    per_mode = {}
+    for mode in MODES:
+        step_s = median_of(mode, "step_s")
+        accuracies = [r["accuracy"] for r in runs if r["mode"] == mode]
+        per_mode[mode] = {"step_s": step_s, "gen_s": median_of(mode, "gen_s"), "train_s": step_s - median_of(mode, "gen_s"),
+                          "speedup": sync_step_s / step_s, "accuracy": statistics.median(accuracies),
+                          "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
+                          "overlap_efficiency": (sync_gen_s + sync_train_s) / step_s, "step_over_bound": step_s / bound_s}
+    start_accuracy = statistics.median(r["start_accuracy"] for r in runs if r["mode"] == "sync")
+
+    print(f"\nSFT checkpoint accuracy {start_accuracy:.1%}; sync step: gen {sync_gen_s:.2f} s "
+          f"({sync_gen_s / sync_step_s:.0%}), train {sync_train_s:.2f} s ({sync_train_s / sync_step_s:.0%}); "
+          f"max(gen, train) {bound_s:.2f} s; ideal overlap efficiency {ideal_efficiency:.2f}")
+    print(f"{'mode':>12}  {'s/step':>7}  {'speedup':>7}  {'gen s':>6}  {'train s':>7}  {'(gen+train)/step':>16}  "
+          f"{'step/max':>8}  {'accuracy':>9}")
+    for mode, m in per_mode.items():
+        spread = f" ({m['accuracy_min']:.0%}–{m['accuracy_max']:.0%})" if len(args.seeds) > 1 else ""
+        print(f"{mode:>12}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['train_s']:>7.2f}  "
+              f"{m['overlap_efficiency']:>16.2f}  {m['step_over_bound']:>7.2f}×  {m['accuracy']:>9.1%}{spread}")
+    print(f"(medians over steps {NUM_WARMUP_STEPS + 1}–{num_steps}"
+          f"{' and over seeds' if len(args.seeds) > 1 else ', one seed'}; gen, train: the wait for samples and the "
+          f"rest of the step; load average at start {load_start}, at end {load_end})")
+
+    best = max(("one_step_off", "async"), key=lambda mode: per_mode[mode]["overlap_efficiency"])
+    figures = {
+        "one_step_off_speedup": per_mode["one_step_off"]["speedup"], "async_speedup": per_mode["async"]["speedup"],
+        "sync_accuracy": per_mode["sync"]["accuracy"], "one_step_off_accuracy": per_mode["one_step_off"]["accuracy"],
+        "async_accuracy": per_mode["async"]["accuracy"], "start_accuracy": start_accuracy,
+        "overlap_efficiency": per_mode[best]["overlap_efficiency"], "overlap_efficiency_mode": best,
+        "ideal_overlap_efficiency": ideal_efficiency, "sync_gen_share": sync_gen_s / sync_step_s,
+        "sync_gen_s": sync_gen_s, "sync_train_s": sync_train_s, "modes": per_mode,
+        "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step, "samples_per_prompt": SAMPLES_PER_PROMPT,
+        "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS, "seeds": args.seeds, "quick": args.quick,
+        "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "load_average_start": load_start,
+        "load_average_end": load_end, "runs": runs,
+    }
+    low, high = TARGET_GEN_SHARE
+    figures["passed"] = {
+        "sync_gen_share": low <= figures["sync_gen_share"] <= high,
+        **{f"{mode}_speedup": per_mode[mode]["speedup"] >= TARGET_SPEEDUP for mode in ("one_step_off", "async")},
+        **{f"{mode}_accuracy": 100 * abs(per_mode[mode]["accuracy"] - per_mode["sync"]["accuracy"]) <= TARGET_ACCURACY_POINTS
+           for mode in ("one_step_off", "async")},
+        **{f"{mode}_step_over_bound": per_mode[mode]["step_over_bound"] <= TARGET_STEP_OVER_MAX
+           for mode in ("one_step_off", "async")},
+    }
+    return finish(figures, args.json, args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
