@@ -59,9 +59,10 @@ class EngineWorker(Worker):
 
     # --- requests ----------------------------------------------------------------------------------
 
-    @register(Dispatch.ONE_TO_ALL_ONE)
+    @register(Dispatch.ONE_TO_ALL_ONE, blocking=False)
     def submit(self, requests: list[GenerationRequest]) -> None:
-        """Start generating `requests`; their results come out of `poll`."""
+        """Start generating `requests`; their results come out of `poll`. The cluster call returns at once (a
+        future), so that the router can issue it while it holds its lock."""
         for request in requests:
             future = self.runner.submit(self.engine.generate(request))
             future.add_done_callback(functools.partial(self._finished, request.request_id))

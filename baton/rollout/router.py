@@ -41,6 +41,7 @@ class _Request:
     affinity_key: str | None
     engine: int | None = None  # None: waiting for a live engine
     attempts: int = 0
+    sent: bool = False  # handed to its engine (else waiting in the engine's outbox)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class _EngineState:
     served: int = 0
     restarts: int = 0
     last_error: str | None = None
+    outbox: list = field(default_factory=list)  # requests assigned and not yet sent; its thread sends them
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -102,10 +104,9 @@ class Router:
                 entry.future.set_running_or_notify_cancel()  # settled only by the router; stop a request with abort
                 self._requests[request.request_id] = entry
                 entries.append(entry)
-            by_engine = self._assign(entries)
+            self._assign(entries)
             stranded = [] if self.restart_engines else self._take_stranded()
         self._fail(stranded, "no engine is alive and restart_engines is off")
-        self._send(by_engine)
         return [entry.future for entry in entries]
 
     def generate(self, request: GenerationRequest, affinity_key: str | None = None) -> concurrent.futures.Future:
@@ -123,8 +124,10 @@ class Router:
                 if entry is None:
                     continue
                 futures.append(entry.future)
-                if entry.engine is None:  # waiting for a live engine: nothing generated
+                if not entry.sent:  # waiting for a live engine, or in an outbox: nothing generated
                     del self._requests[request_id]
+                    if entry.engine is not None:
+                        self._state[entry.engine].outstanding -= 1
                     entry.future.set_result(_unstarted(entry.request))
                 else:
                     by_engine.setdefault(entry.engine, []).append(request_id)
@@ -170,29 +173,33 @@ class Router:
 
     # --- placement ---------------------------------------------------------------------------------
 
-    def _assign(self, entries: list[_Request]) -> dict[int, list[_Request]]:
-        """Under the lock: an engine for each entry (none while no engine is alive)."""
-        by_engine: dict[int, list[_Request]] = {}
+    def _assign(self, entries: list[_Request]) -> None:
+        """Under the lock: an engine for each entry (none while no engine is alive), into its outbox."""
         for entry in entries:
             index = self._affinity.get(entry.affinity_key) if entry.affinity_key is not None else None
             if index is None or not self._state[index].alive:
                 live = [i for i, s in enumerate(self._state) if s.alive]
                 if not live:
-                    continue  # waits for a restarted engine (`_take_back`)
+                    continue  # waits for a restarted engine (`_restart`)
                 index = min(live, key=lambda i: (self._state[i].outstanding, i))
                 if entry.affinity_key is not None:
                     self._affinity[entry.affinity_key] = index
-            entry.engine, entry.attempts = index, entry.attempts + 1
+            entry.engine, entry.attempts, entry.sent = index, entry.attempts + 1, False
             self._state[index].outstanding += 1
-            by_engine.setdefault(index, []).append(entry)
-        return by_engine
+            self._state[index].outbox.append(entry)
 
-    def _send(self, by_engine: dict[int, list[_Request]]) -> None:
-        for index, entries in by_engine.items():
-            try:
-                self.engines[index].submit([entry.request for entry in entries])
-            except Exception as error:
-                self._engine_failed(index, error)
+    def _flush(self, index: int) -> None:
+        """Send engine `index` the requests in its outbox, in one call. The call is issued under the lock, so an
+        abort (issued after it) reaches the engine after the requests it aborts."""
+        with self._lock:
+            state = self._state[index]
+            batch, state.outbox = state.outbox, []
+            batch = [e for e in batch if e.engine == index and self._requests.get(e.request.request_id) is e]
+            for entry in batch:
+                entry.sent = True
+            call = self.engines[index].submit([entry.request for entry in batch]) if batch else None
+        if call is not None:
+            call.get()
 
     def _settle(self, index: int, item: GenerationResult | RequestFailure) -> bool:
         """Settle a request with what engine `index` returned for it; False for one no longer in flight there (a
@@ -234,6 +241,7 @@ class Router:
                 self._closed.wait(0.1)
                 continue
             try:
+                self._flush(index)
                 items = self.engines[index].poll(self.poll_s)
                 step_failures = [i for i in items if isinstance(i, RequestFailure) and i.engine_failed]
                 for item in items:
@@ -257,7 +265,7 @@ class Router:
             state = self._state[index]
             if not state.alive:
                 return
-            state.alive, state.outstanding = False, 0
+            state.alive, state.outstanding, state.outbox = False, 0, []
             state.last_error = "".join(traceback.format_exception_only(type(error), error)).strip()
             moved = [entry for entry in self._requests.values() if entry.engine == index]
             failed = []
@@ -269,14 +277,13 @@ class Router:
                 del self._requests[entry.request.request_id]
             retried = [entry for entry in moved if entry not in failed]
             self._num_retries += len(retried)
-            by_engine = self._assign(retried)
+            self._assign(retried)
             stranded = [] if self.restart_engines else self._take_stranded()
         for entry in failed:
             entry.future.set_exception(EngineFailedError(
                 f"request {entry.request.request_id!r} failed on {entry.attempts} engine(s); the last, engine {index}: "
                 f"{state.last_error}"))
         self._fail(stranded, f"no engine is alive and restart_engines is off; engine {index}: {state.last_error}")
-        self._send(by_engine)
         if self.restart_engines and threading.current_thread() is state.thread:
             self._restart(index)
         elif self.restart_engines:
@@ -296,5 +303,4 @@ class Router:
         with self._lock:
             self._state[index].alive = True
             self._state[index].restarts += 1
-            by_engine = self._assign([e for e in self._requests.values() if e.engine is None])
-        self._send(by_engine)
+            self._assign([e for e in self._requests.values() if e.engine is None])
