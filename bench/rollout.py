@@ -57,16 +57,17 @@ MODES = ("sync", "one_step_off", "async")
 NUM_RAY_CPUS = 2
 
 SFT_STEPS = 1500  # the demo's SFT stage (about 2 minutes on two idle cores; 56.5% held-out accuracy)
-NUM_STEPS, NUM_STEPS_QUICK = 12, 3
+NUM_STEPS, NUM_STEPS_QUICK = 30, 3
 NUM_WARMUP_STEPS = 1
-NUM_PROMPTS_PER_STEP, NUM_PROMPTS_PER_STEP_QUICK = 32, 8  # --quick: a smoke run, its figures are not the bench's
+NUM_PROMPTS_PER_STEP, NUM_PROMPTS_PER_STEP_QUICK = 64, 16  # --quick: a smoke run, its figures are not the bench's
 SAMPLES_PER_PROMPT = 16
-MAX_NEW_TOKENS = 12
+MAX_NEW_TOKENS = 8
 MAX_STALENESS = 1
-NUM_PPO_EPOCHS = 3
-NUM_MINI_BATCHES_PER_STEP = 8
-MICRO_BATCH_SIZE = 16
+NUM_PPO_EPOCHS = 1
+NUM_MINI_BATCHES_PER_STEP = 1
+MICRO_BATCH_SIZE = 128
 LR = 1e-4
+POLL_S = 0.02  # how long one poll of the engine collects results (rollout_system.poll_s)
 
 TARGET_SPEEDUP = 1.3  # sync s/step ÷ mode s/step
 TARGET_ACCURACY_POINTS = 3.0  # |mode accuracy − sync accuracy|
@@ -112,7 +113,7 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
     return dataclasses.replace(
         base, actor=actor, rollout=rollout, data=DemoConfig().data, trainer=trainer, algorithm=algorithm,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, num_samples_per_prompt=SAMPLES_PER_PROMPT),
-        rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS))
+        rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS, poll_s=POLL_S))
 
 
 def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import time
 from dataclasses import dataclass
 
 from baton.data import DataProto
@@ -75,16 +76,15 @@ class EngineWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL_ONE)
     def poll(self, max_wait_s: float = 0.05) -> list[GenerationResult | RequestFailure]:
-        """What finished since the last poll, waiting at most `max_wait_s` for the first one."""
-        try:
-            items = [self._done.get(timeout=max_wait_s)]
-        except queue.Empty:
-            return []
-        while True:
+        """What finished since the last poll and over the next `max_wait_s`: one call per window, however many
+        requests finish in it, so that polling a busy engine does not take its process's time from generation."""
+        items, deadline = [], time.monotonic() + max_wait_s
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                items.append(self._done.get_nowait())
+                items.append(self._done.get(timeout=left))
             except queue.Empty:
-                return items
+                break
+        return items
 
     @register(Dispatch.ONE_TO_ALL_ONE)
     def abort(self, request_ids: list[str]) -> list[GenerationResult]:
