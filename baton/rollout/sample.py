@@ -178,27 +178,19 @@ def samples_to_data(samples: list[Sample], pad_token_id: int, temperature: float
     rows = len(samples)
     prompt_len = max(len(s.prompt_ids) for s in samples)
     response_len = max(s.response_length for s in samples)
-    prompts = torch.full((rows, prompt_len), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(rows, prompt_len, dtype=torch.long)
-    responses = torch.full((rows, response_len), pad_token_id, dtype=torch.long)
-    response_real = torch.zeros(rows, response_len, dtype=torch.long)  # 1 on every real response token
-    response_mask = torch.zeros(rows, response_len, dtype=torch.long)
-    log_probs = torch.zeros(rows, response_len, dtype=torch.float32)
-    versions = torch.full((rows, response_len), -1, dtype=torch.int64)
-    token_level_scores = torch.zeros(rows, response_len, dtype=torch.float32)
     scores = torch.tensor([s.score(reward_key) for s in samples], dtype=torch.float32)  # [rows]
-    for row, s in enumerate(samples):
-        p, r = len(s.prompt_ids), s.response_length
-        if p:
-            prompts[row, prompt_len - p:] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            prompt_mask[row, prompt_len - p:] = 1
-        if r:
-            responses[row, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-            response_real[row, :r] = 1
-            response_mask[row, :r] = torch.tensor(s.effective_loss_mask(), dtype=torch.long)
-            log_probs[row, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-            versions[row, :r] = torch.tensor(s.weight_versions, dtype=torch.int64)
-            token_level_scores[row, r - 1] = scores[row]
+    prompt_ids, response_ids = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    prompts = _padded(prompt_ids, prompt_len, pad_token_id, torch.long, left=True)  # [rows, P]
+    prompt_mask = _padded([[1] * len(ids) for ids in prompt_ids], prompt_len, 0, torch.long, left=True)
+    responses = _padded(response_ids, response_len, pad_token_id, torch.long)  # [rows, R]
+    response_real = _padded([[1] * len(ids) for ids in response_ids], response_len, 0, torch.long)
+    response_mask = _padded([s.effective_loss_mask() for s in samples], response_len, 0, torch.long)
+    log_probs = _padded([s.rollout_log_probs for s in samples], response_len, 0.0, torch.float32)
+    versions = _padded([s.weight_versions for s in samples], response_len, -1, torch.int64)
+    lengths = torch.tensor([len(ids) for ids in response_ids])  # [rows]
+    token_level_scores = torch.zeros(rows, response_len, dtype=torch.float32)
+    made = lengths > 0
+    token_level_scores[torch.arange(rows)[made], lengths[made] - 1] = scores[made]  # on each last response token
     attention_mask = torch.cat([prompt_mask, response_real], dim=1)  # [rows, P + R]
     tensors = {
         "prompts": prompts, "responses": responses, "response_mask": response_mask,
@@ -220,6 +212,12 @@ def samples_to_data(samples: list[Sample], pad_token_id: int, temperature: float
                              "batch; rename it")
         non_tensors[key] = _object_column([s.metadata[key] for s in samples])
     return DataProto.from_dict(tensors, non_tensors, meta_info={"temperature": temperature})
+
+
+def _padded(rows: list[list], width: int, fill, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
+    """[len(rows), width]: each row padded with `fill` to `width` (on the left with `left`), in one tensor call."""
+    return torch.tensor([[fill] * (width - len(row)) + list(row) if left else list(row) + [fill] * (width - len(row))
+                         for row in rows], dtype=dtype).reshape(len(rows), width)
 
 
 def _reward_extras(samples: list[Sample], reward_key: str) -> dict[str, torch.Tensor]:
