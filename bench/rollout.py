@@ -7,10 +7,9 @@ GRPO from it in each mode on a local Ray instance of `NUM_RAY_CPUS` CPUs: the ac
 the same time on two cores; the driver (router, manager, rewards) keeps one thread. Every mode trains on the same
 number of samples (steps × prompts × samples per prompt) from the same seed.
 
-The setting makes generation and training each take 35–65% of a `sync` step: 32 prompts × 16 samples per step
-(the demo: 64 × 8), and a heavier update, `NUM_PPO_EPOCHS` epochs of `NUM_MINI_BATCHES_PER_STEP` mini-batches
-in micro-batches of `MICRO_BATCH_SIZE` rows, at lr `LR` (lower than the demo's 3e-4, for 24 optimizer steps per
-step). The demo's answers stay ~3 tokens whatever `max_new_tokens` allows (the SFT model stops at eos).
+The setting makes generation and training each take 35–65% of a `sync` step: 64 prompts × 16 samples per step
+(the demo: 64 × 8) and one update in micro-batches of `MICRO_BATCH_SIZE` rows at lr `LR`. The demo's answers stay
+~3 tokens whatever `max_new_tokens` allows (the SFT model stops at eos), so the responses cannot be made longer.
 
 Per mode it prints the median seconds per step (the first `NUM_WARMUP_STEPS` dropped), the greedy held-out
 accuracy at the end (`val/accuracy`, 200 problems) and the split of a step:

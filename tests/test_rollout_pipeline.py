@@ -258,3 +258,17 @@ def test_a_rollout_that_gets_no_samples_stops_with_the_silent_stage(tmp_path):
     config.trainer.val_before_train = False
     with pytest.raises(RolloutStalledError, match=r"rollout 1: no group finished within 0.5 s .*watchdog_s.*engine 0"):
         run_pipeline(RolloutRLVRPipeline, config)
+
+
+def only_group_zero(args, group):
+    return group[0].group_index == 0, "not_zero"
+
+
+def test_a_filter_that_drops_nearly_everything_stops_at_the_started_groups_limit(tmp_path):
+    config = tiny(tmp_path, num_steps=1, engines=1, dynamic_filter=f"{THIS}:only_group_zero",
+                  max_groups_started_factor=2.0)
+    config.trainer.val_before_train = False
+    run_pipeline(RolloutRLVRPipeline, config)
+    record = steps(tmp_path)[1]
+    assert record["rollout/num_groups_started"] == 8  # 2 × the 4 groups the step needs, no more
+    assert record["rollout/num_groups"] == 1 and record["rollout/num_dropped/not_zero"] == 7

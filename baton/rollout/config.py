@@ -28,7 +28,10 @@ class RolloutSystemConfig:
         `eval/{name}/...` from them.
     over_sampling_factor: prompt groups started per group the step needs (DAPO's over-sampling); groups that pass
         `dynamic_filter` (`fn(args, group) -> bool | (bool, reason)`; None keeps every group) are kept until the step
-        has enough, and the rest are aborted and go back to the buffer.
+        has enough, and the rest are aborted and go back to the buffer. max_groups_started_factor: at most this many
+        groups started per group needed (DAPO's max_num_gen_batches): past it the step trains on the groups it kept
+        (`rollout/num_groups` says how many), as a filter that drops nearly every group (a model that solves
+        most prompts) would otherwise make a step generate without end.
     partial_rollout: aborted samples keep their tokens, log-probs and versions and continue from there when drawn
         again; off, they go back to the buffer as fresh prompts. mask_stale_partial_tokens: a resumed sample's tokens
         from before its last resume are masked out of the loss.
@@ -51,6 +54,7 @@ class RolloutSystemConfig:
     eval_function: str = "baton.rollout.functions:eval_rollout"
     over_sampling_factor: float = 1.0
     dynamic_filter: str | None = None
+    max_groups_started_factor: float = 8.0
     partial_rollout: bool = False
     mask_stale_partial_tokens: bool = False
     buffer_filter: str | None = None
@@ -78,6 +82,10 @@ class RolloutSystemConfig:
         if self.over_sampling_factor < 1.0:
             raise ValueError(f"rollout_system.over_sampling_factor must be >= 1 (groups started per group needed), "
                              f"got {self.over_sampling_factor}")
+        if self.max_groups_started_factor < self.over_sampling_factor:
+            raise ValueError(f"rollout_system.max_groups_started_factor={self.max_groups_started_factor} is below "
+                             f"over_sampling_factor={self.over_sampling_factor}; raise it (it bounds the groups started "
+                             "per step, the first round included)")
         for name in ("abort_timeout_s", "watchdog_s", "poll_s", "health_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout_system.{name} must be > 0, got {getattr(self, name)}")

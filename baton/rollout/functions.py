@@ -81,16 +81,26 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
     kept: list[list[Sample]] = []
     drops: Counter = Counter()
 
+    limit = math.ceil(needed * config.max_groups_started_factor)  # DAPO's max_num_gen_batches, in groups
+    started = 0
+
     def start(count: int) -> None:
-        groups = data_source.get_samples(count)
+        nonlocal started
+        groups = data_source.get_samples(max(0, min(count, limit - started)))
         for group in groups:
             running[asyncio.ensure_future(generate_group(args, group, params))] = group
-        args.metrics["rollout/num_groups_started"] = args.metrics.get("rollout/num_groups_started", 0.0) + len(groups)
+        started += len(groups)
 
     start(math.ceil(needed * config.over_sampling_factor))
     while len(kept) < needed:
         if len(kept) + len(running) < needed:  # the filter dropped too many: start more
             start(math.ceil((needed - len(kept)) * config.over_sampling_factor) - len(running))
+        if not running:  # the limit is reached: the step trains on what it kept
+            if not kept:
+                raise RuntimeError(f"rollout {rollout_id}: the dynamic filter dropped all {started} groups started "
+                                   f"(rollout_system.max_groups_started_factor={config.max_groups_started_factor}): "
+                                   f"{dict(drops)}; raise the factor, or loosen the filter")
+            break
         done, _ = await asyncio.wait(running, timeout=config.watchdog_s, return_when=asyncio.FIRST_COMPLETED)
         if not done:
             raise RolloutStalledError(args.describe_stall(f"rollout {rollout_id}: no group finished within "
@@ -117,6 +127,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
             else:
                 drops[reason] += 1
     await abort_groups(args, running, data_source)
+    args.metrics["rollout/num_groups_started"] = float(started)
     args.metrics.update({f"rollout/num_dropped/{reason}": float(count) for reason, count in drops.items()})
     return kept
 
