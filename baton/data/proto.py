@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+
+from baton.data.atomic import atomic_file
 
 # torch dtypes that `Tensor.numpy()` handles; any other dtype (bfloat16, float8, complex32, ...)
 # is pickled as a same-width integer view and viewed back on arrival.
@@ -314,19 +315,8 @@ class DataProto:
         path = os.fspath(path)
         if os.path.exists(path) and not overwrite:
             raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".dataproto")
-        replaced = False
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(self, f, protocol=5)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_path, path)
-            replaced = True
-        finally:
-            if not replaced:
-                os.unlink(tmp_path)
+        with atomic_file(path, binary=True) as f:
+            pickle.dump(self, f, protocol=5)
 
     @staticmethod
     def load(path: str | os.PathLike) -> DataProto:

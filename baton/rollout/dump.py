@@ -8,8 +8,8 @@ import json
 import os
 import re
 import string
-import tempfile
 
+from baton.data.atomic import atomic_file
 from baton.rollout.sample import Sample
 
 
@@ -37,18 +37,8 @@ def save_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]
     lines = [json.dumps(sample.to_dict()) + "\n" for group in groups for sample in group]
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
-    replaced = False
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-        replaced = True
-    finally:
-        if not replaced:
-            os.unlink(tmp_path)
+    with atomic_file(path) as f:
+        f.writelines(lines)
     return path
 
 
