@@ -156,6 +156,7 @@ class RolloutManager:
         self._ready: list[list[Sample]] = []
         self._producer: concurrent.futures.Future | None = None
         self._stop_producing: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None  # set when a step takes groups or weights change: admit again
         self._continuous_ctx: RolloutContext | None = None
         self.consumed_steps = 0
 
@@ -229,12 +230,10 @@ class RolloutManager:
 
     def take(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """(async mode) The next step's groups, waiting at most `watchdog_s` for enough of them."""
-        groups = self.loop.run(self._take(), timeout_s=None)
-        ctx = self._continuous_ctx
-        metrics, ctx.metrics = {**ctx.metrics, **self.router_metrics()}, {}
-        return groups, metrics
+        groups, metrics = self.loop.run(self._take(), timeout_s=None)
+        return groups, {**metrics, **self.router_metrics()}
 
-    async def _take(self) -> list[list[Sample]]:
+    async def _take(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """The oldest ready groups first (the fewest go stale); a group staler than the bound for the version it
         would train at (`consumed_steps`) goes back to the buffer as a fresh prompt."""
         needed, trained_version = self.num_groups_per_step, self.consumed_steps
@@ -262,7 +261,9 @@ class RolloutManager:
         groups, self._ready = self._ready[:needed], self._ready[needed:]
         self.consumed_steps += 1
         self._wake.set()
-        return groups
+        ctx = self._continuous_ctx
+        metrics, ctx.metrics = ctx.metrics, {}  # on the loop, where the producer counts: none is lost
+        return groups, metrics
 
     def stop_continuous(self) -> None:
         """Stop the producer: what runs is aborted into the buffer, and what is ready goes back there too (in
