@@ -17,12 +17,12 @@ from baton.distributed.errors import (
     WorkerError,
     WorkerFrozenError,
 )
-from baton.distributed.future import CallFuture, DataProtoFuture, materialize_concat
+from baton.distributed.future import CallFuture, DataProtoFuture, JoinedData, materialize_concat
 from baton.distributed.resource import ResourceManager, ResourcePool
 from baton.distributed.worker import RankInfo, Worker, WorkerContext
 
 __all__ = [
-    "CallFuture", "CallTimeoutError", "Cluster", "ClusterStoppedError", "DataProtoFuture", "Dispatch", "Execute",
+    "CallFuture", "CallTimeoutError", "Cluster", "ClusterStoppedError", "DataProtoFuture", "Dispatch", "Execute", "JoinedData",
     "Layout", "LayoutError", "OversubscriptionWarning", "RankInfo", "ResourceManager", "ResourcePool", "Worker",
     "WorkerConfig", "WorkerContext", "WorkerDiedError", "WorkerError", "WorkerFrozenError", "WorkerSpec",
     "create_clusters_parallel", "create_colocated_clusters", "materialize_concat", "register", "register_dispatch_mode",

@@ -9,6 +9,7 @@ each role is then reached through its own cluster view.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from baton.distributed.backend import Source, get_backend
 from baton.distributed.dispatch import Execute, Layout, MethodSpec, check_data_output, get_dispatch_mode, registered_methods
 from baton.distributed.errors import ClusterStoppedError, LayoutError
 from baton.distributed.health import HealthMonitor
-from baton.distributed.future import CallFuture, DataProtoFuture
+from baton.distributed.future import REMOTE_DATA, CallFuture, DataProtoFuture
 from baton.distributed.resource import Placement, ResourceManager, ResourcePool
 from baton.distributed.worker import Worker, WorkerContext
 
@@ -281,6 +282,15 @@ class Cluster:
         for name, spec in registered_methods(self.worker_cls).items():
             setattr(self, name, self._make_method(name, spec))
 
+    def submit(self, method: str, *args, **kwargs) -> DataProtoFuture | CallFuture:
+        """The registered `method` called without waiting: a `DataProtoFuture` for a method whose dispatch mode
+        returns DataProto shards (another cluster's call takes it as is), else a `CallFuture`; `.get()` waits."""
+        spec = registered_methods(self.worker_cls).get(method)
+        if spec is None:
+            raise AttributeError(f"{self.worker_cls.__name__} has no @register method {method!r}; registered: "
+                                 f"{', '.join(sorted(registered_methods(self.worker_cls)))}")
+        return self._call(method, dataclasses.replace(spec, blocking=False), args, kwargs)
+
     def _make_method(self, name: str, spec: MethodSpec):
         def method(*args, **kwargs):
             return self._call(name, spec, args, kwargs)
@@ -381,7 +391,7 @@ class Cluster:
                 [refs[r] for r in collect], group.backend.name, length_refs=[length_refs[r] for r in collect],
                 num_pad_rows=num_pad_rows, sources=[Source(self.name, r, method) for r in collect],
                 expected_lengths=[_rows_in(*per_worker[r]) for r in collect] if spec.auto_padding else None,
-                _guard=guard, _timeout_s=timeout_s,
+                combine=mode.combine_fn, _guard=guard, _timeout_s=timeout_s,
             )
         return CallFuture(list(refs.values()), sources, group.backend.name, finish, timeout_s, guard)
 
@@ -407,7 +417,7 @@ def _pad_for_dp(args: tuple, kwargs: dict, dp_size: int) -> tuple[tuple, dict, i
             padded, num = value.padded(dp_size)
             pads.add(num)
             return padded
-        if isinstance(value, DataProtoFuture):
+        if isinstance(value, REMOTE_DATA):
             padded, num = value.padded(dp_size)
             pads.add(num)
             return padded
@@ -422,7 +432,7 @@ def _pad_for_dp(args: tuple, kwargs: dict, dp_size: int) -> tuple[tuple, dict, i
 
 def _rows_in(args: tuple, kwargs: dict) -> int | None:
     """Rows of a worker's first DataProto (or future) argument; None when it has none."""
-    return next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, DataProtoFuture))), None)
+    return next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, *REMOTE_DATA))), None)
 
 
 def _check_rows_kept(cluster: str, method: str, inputs: list[tuple[tuple, dict]], outputs: list) -> None:

@@ -77,7 +77,8 @@ class DispatchMode:
     `collect_fn(layout, outputs)` turns the collected outputs into the call's result.
     `collect_ranks_fn(layout)` says whose outputs are collected, in order (default: every rank).
     `returns_data`: outputs are DataProto shards in row order, concatenated by `collect_fn`; a
-    non-blocking call then returns a `DataProtoFuture` that another cluster can consume directly.
+    non-blocking call then returns a `DataProtoFuture` that another cluster can consume directly,
+    whose shards `combine_fn` joins where they are fetched (None: `DataProto.concat`).
     `needs_rank_info`: the layout must hold the workers' real `RankInfo`s (asked of the workers,
     then cached); modes that only need the world size skip that round trip.
     """
@@ -88,6 +89,7 @@ class DispatchMode:
     collect_ranks_fn: Callable[[Layout], list[int]] | None = None
     returns_data: bool = False
     needs_rank_info: bool = True
+    combine_fn: Callable[[list], Any] | None = None
 
     def collect_ranks(self, layout: Layout) -> list[int]:
         if self.collect_ranks_fn is None:
@@ -103,11 +105,16 @@ def register_dispatch_mode(
     dispatch_fn: Callable[[Layout, tuple, dict], PerWorkerArgs],
     collect_fn: Callable[[Layout, list], Any],
     collect_ranks_fn: Callable[[Layout], list[int]] | None = None,
+    combine_fn: Callable[[list], Any] | None = None,
 ) -> str:
-    """Add a custom dispatch mode; use the returned name as `@register(dispatch_mode=name)`."""
+    """Add a custom dispatch mode; use the returned name as `@register(dispatch_mode=name)`.
+
+    combine_fn: for methods that return DataProto shards in row order, the module-level function that joins a
+    list of them (the `collect_fn` without the layout); given, a non-blocking call returns a `DataProtoFuture`."""
     if name in DISPATCH_MODES:
         raise ValueError(f"dispatch mode {name!r} is already registered; pick another name")
-    DISPATCH_MODES[name] = DispatchMode(name, dispatch_fn, collect_fn, collect_ranks_fn)
+    DISPATCH_MODES[name] = DispatchMode(name, dispatch_fn, collect_fn, collect_ranks_fn,
+                                        returns_data=combine_fn is not None, combine_fn=combine_fn)
     return name
 
 
@@ -215,9 +222,9 @@ def _all_to_all(layout: Layout, args: tuple, kwargs: dict) -> PerWorkerArgs:
 
 
 def _is_data(value) -> bool:
-    from baton.distributed.future import DataProtoFuture
+    from baton.distributed.future import REMOTE_DATA
 
-    return isinstance(value, (DataProto, DataProtoFuture))
+    return isinstance(value, (DataProto, *REMOTE_DATA))
 
 
 def split_dp_args(layout: Layout, args: tuple, kwargs: dict, *, first_mp_rank_only: bool) -> PerWorkerArgs:

@@ -27,6 +27,8 @@ class DataProtoFuture:
     length_refs: refs to each whole shard's row count (needed only to re-split; absent when
         `row_ranges` is known).
     num_pad_rows: rows at the end that are auto-padding; `get()` drops them.
+    combine: the module-level function that joins the shards (the dispatch mode's `combine_fn`); None:
+        `DataProto.concat`.
     expected_lengths: with auto padding, each shard's input row count: the method must return as
         many rows, or the padding could not be stripped; checked once the lengths are known.
     """
@@ -38,6 +40,7 @@ class DataProtoFuture:
     num_pad_rows: int = 0
     sources: list[Source] | None = None
     expected_lengths: list[int | None] | None = None
+    combine: Callable[[list], DataProto] | None = None
     # Driver-side only: the producing cluster's health monitor and timeout; not sent to workers.
     _guard: HealthMonitor | None = field(default=None, repr=False, compare=False)
     _timeout_s: float = field(default=DEFAULT_TIMEOUT_S, repr=False, compare=False)
@@ -57,7 +60,7 @@ class DataProtoFuture:
         if self.row_ranges is not None:
             shards = [shard[start:stop] for shard, (start, stop) in zip(shards, self.row_ranges)]
         self._check_lengths([len(shard) for shard in shards])
-        data = DataProto.concat(shards)
+        data = (self.combine or DataProto.concat)(shards)
         return data[: len(data) - self.num_pad_rows] if self.num_pad_rows else data
 
     def shard_lengths(self, timeout_s: float | None = None) -> list[int]:
@@ -115,7 +118,7 @@ class DataProtoFuture:
             refs.append(self.refs[shard])
             ranges.append((offset + start, offset + stop))
             sources.append(self._sources()[shard])
-        return DataProtoFuture(refs, self.backend_name, row_ranges=ranges, sources=sources,
+        return DataProtoFuture(refs, self.backend_name, row_ranges=ranges, sources=sources, combine=self.combine,
                                _guard=self._guard, _timeout_s=self._timeout_s)
 
 
@@ -166,3 +169,86 @@ class CallFuture:
 def materialize_concat(items: Sequence["DataProtoFuture | DataProto"], timeout_s: float | None = None) -> DataProto:
     """Fetch futures (DataProtos pass through) and concatenate everything in order."""
     return DataProto.concat([x.get(timeout_s) if isinstance(x, DataProtoFuture) else x for x in items])
+
+
+@dataclass
+class JoinedData:
+    """The columns of several DataProtos and `DataProtoFuture`s over the same rows, joined only where they are
+    fetched: a DAG node's input is its upstream nodes' outputs, passed on without the driver holding them.
+
+    parts: in order; a later part's column must not repeat an earlier one's (the workflow's column contracts
+        rule it out) unless it is the same object; meta_info merges, later parts winning, "metrics" combined.
+    Split (`chunk`, `padded`) part by part with the same row ranges, so each worker fetches only its rows.
+    """
+
+    parts: list
+
+    @classmethod
+    def of(cls, *items) -> "DataProto | DataProtoFuture | JoinedData | None":
+        """The join of `items` (None and duplicates dropped, nested joins flattened); a single part as itself."""
+        parts: list = []
+        for item in items:
+            for part in (item.parts if isinstance(item, JoinedData) else [item]):
+                if part is not None and not any(part is seen for seen in parts):
+                    parts.append(part)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else cls(parts)
+
+    def get(self, timeout_s: float | None = None) -> DataProto:
+        fetched = [p if isinstance(p, DataProto) else p.get(timeout_s) for p in self.parts]
+        lengths = {len(p) for p in fetched if p.batch or p.non_tensor_batch}
+        if len(lengths) > 1:
+            raise ValueError(f"the joined parts of a node's input have different row counts {sorted(lengths)}; a node "
+                             "that changes the rows returns the whole batch (node_function(output='replace' or 'filter'))")
+        tensors, non_tensors, meta, metrics = {}, {}, {}, {}
+        for part in fetched:
+            for into, columns in ((tensors, part.batch), (non_tensors, part.non_tensor_batch)):
+                for key, value in columns.items():
+                    if key in into and into[key] is not value:
+                        raise ValueError(f"column {key!r} comes from two parts of a node's input; the workflow's "
+                                         "column contracts should have named the two writers")
+                    into[key] = value
+            part_meta = dict(part.meta_info)
+            metrics.update(part_meta.pop("metrics", None) or {})
+            meta.update(part_meta)
+        if metrics:
+            meta["metrics"] = metrics
+        return DataProto(tensors, non_tensors, meta)
+
+    def __len__(self) -> int:
+        return len(self.parts[0])
+
+    def chunk(self, n: int) -> list["JoinedData"]:
+        pieces = [part.chunk(n) for part in self.parts]
+        return [JoinedData([p[i] for p in pieces]) for i in range(n)]
+
+    def padded(self, divisor: int) -> tuple["JoinedData", int]:
+        padded = [part.padded(divisor) for part in self.parts]
+        return JoinedData([p for p, _ in padded]), padded[0][1]
+
+
+@dataclass
+class RenamedData:
+    """The rows of `source` (a future) with only the tensor columns in `names`, renamed old → new, applied where
+    the data is fetched (e.g. an actor's `log_probs` as a DAG node's `old_log_probs`)."""
+
+    source: Any
+    names: dict[str, str]
+
+    def get(self, timeout_s: float | None = None) -> DataProto:
+        data = self.source.get(timeout_s)
+        return DataProto({new: data.batch[old] for old, new in self.names.items()}, {}, {})
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def chunk(self, n: int) -> list["RenamedData"]:
+        return [RenamedData(piece, self.names) for piece in self.source.chunk(n)]
+
+    def padded(self, divisor: int) -> tuple["RenamedData", int]:
+        padded, num = self.source.padded(divisor)
+        return RenamedData(padded, self.names), num
+
+
+REMOTE_DATA = (DataProtoFuture, JoinedData, RenamedData)  # what a worker call fetches (host._materialize) and splits by rows

@@ -81,6 +81,6 @@ class WorkerHost:
 
 
 def _materialize(value):
-    from baton.distributed.future import DataProtoFuture
+    from baton.distributed.future import REMOTE_DATA
 
-    return value.get() if isinstance(value, DataProtoFuture) else value
+    return value.get() if isinstance(value, REMOTE_DATA) else value

@@ -49,6 +49,7 @@ class RLVRPipeline(Pipeline):
         needs = estimator_needs(algo.adv_estimator)  # the estimator's registration says what it needs
         if needs.critic:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
+        roles.update(self.extra_roles(config))
         clusters = self.create_clusters(roles, fused=FUSED_POLICY if config.colocate_actor_rollout else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.reference, self.critic = clusters.get("reference"), clusters.get("critic")
@@ -62,6 +63,10 @@ class RLVRPipeline(Pipeline):
         stale = config.trainer.sync_every_steps > 1 and not config.colocate_actor_rollout  # colocated: shared tensors
         self.build_algorithm(config, stale)
         self.maybe_resume()
+
+    def extra_roles(self, config: RLVRConfig) -> dict:
+        """Further clusters to start with the loop's (name → (worker class, settings, constructor args)); none."""
+        return {}
 
     def build_algorithm(self, config: RLVRConfig, stale: bool) -> None:
         """The losses, the KL controller, the signal watch and the baseline sampling of `config.algorithm`, and
@@ -108,24 +113,12 @@ class RLVRPipeline(Pipeline):
                                self.config.data.max_prompt_len, uid_offset=self.global_step * trainer.num_prompts_per_step)
 
     def compute_advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        algo, data = self.config.algorithm, batch.batch
-        metrics = {}
-        rewards = data["token_level_scores"]
-        if algo.use_kl_in_reward:
-            coef = self.kl_ctrl.value if self.kl_ctrl is not None else algo.kl_reward_coef
-            rewards, metrics = apply_kl_penalty(rewards, data["old_log_probs"], data["ref_log_probs"], data["response_mask"],
-                                                coef, algo.kl_reward_estimator)
-            if self.kl_ctrl is not None:  # verl: the observed KL over this batch's samples sets the next coefficient
-                self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], num_steps=len(batch))
-        advantages, returns = compute_advantages(
-            algo.adv_estimator, token_level_rewards=rewards, response_mask=data["response_mask"],
-            index=batch.non_tensor_batch["uid"], values=data.get("values"),
-            reward_baselines=data.get("reward_baselines"),
-            reward_components=reward_components(data, algo.gdpo_reward_keys, self.config.reward_fn),
-            reward_weights=algo.gdpo_reward_weights, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std=algo.norm_adv_by_std,
-        )
-        batch.batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+        algo = self.config.algorithm
+        coef = self.kl_ctrl.value if self.kl_ctrl is not None else algo.kl_reward_coef
+        columns, metrics = advantage_columns(batch, algo, self.config.reward_fn, coef)
+        if self.kl_ctrl is not None:  # verl: the observed KL over this batch's samples sets the next coefficient
+            self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], num_steps=len(batch))
+        batch.batch.update(columns)
         return batch, metrics
 
     def update(self, cluster, batch: DataProto, loss_fn) -> dict[str, float]:
@@ -193,24 +186,8 @@ class RLVRPipeline(Pipeline):
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 
     def rollout_metrics(self, batch: DataProto) -> dict[str, float]:
-        data = batch.batch
-        lengths = data["response_mask"].sum(-1).float()
-        step_s = self.timings.get("timing_s/step", float("nan"))
-        metrics = {
-            "critic/score/mean": float(data["scores"].mean()), "critic/score/max": float(data["scores"].max()),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response/stop_ratio": float(np.mean(batch.non_tensor_batch["finish_reason"] == "stop")),
-            "perf/throughput": float(data["attention_mask"].sum()) / step_s,
-        }
-        if "advantages" in data:  # absent where nothing trains (a rollout-only run, an SFT loss)
-            metrics["critic/advantages/mean"] = float(data["advantages"][data["response_mask"].bool()].mean())
-        if "reward_baselines" in data:  # ReMax: the greedy responses' mean reward (each prompt's, n times)
-            metrics["critic/baseline_score/mean"] = float(data["reward_baselines"].mean())
-        if "old_log_probs" in data and "rollout_log_probs" in data:
-            metrics.update(logprob_gap(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
-        if self.signal_watch is not None:  # group estimators: the share of groups that teach nothing
-            scores, uids = data["scores"].numpy(), batch.non_tensor_batch["uid"]
-            metrics["critic/frac_reward_zero_std"] = zero_std_group_fraction(scores, uids)
+        metrics = batch_metrics(batch, groups=self.signal_watch is not None)
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings.get("timing_s/step", float("nan"))
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -221,6 +198,47 @@ class RLVRPipeline(Pipeline):
     def do_checkpoint(self, step: int) -> str:
         self.on_device("rollout", *self.checkpoint_clusters)  # saved from their devices; nothing saved is offloaded
         return super().do_checkpoint(step)
+
+
+def advantage_columns(batch: DataProto, algo: AlgorithmConfig, reward_fn, kl_coef: float
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """`token_level_rewards` (the scores, less the KL penalty with use_kl_in_reward at `kl_coef`), `advantages` and
+    `returns` [rows, response_len] of a rewarded batch by `algo.adv_estimator`, and the KL penalty's metrics."""
+    data, metrics = batch.batch, {}
+    rewards = data["token_level_scores"]
+    if algo.use_kl_in_reward:
+        rewards, metrics = apply_kl_penalty(rewards, data["old_log_probs"], data["ref_log_probs"], data["response_mask"],
+                                            kl_coef, algo.kl_reward_estimator)
+    advantages, returns = compute_advantages(
+        algo.adv_estimator, token_level_rewards=rewards, response_mask=data["response_mask"],
+        index=batch.non_tensor_batch["uid"], values=data.get("values"), reward_baselines=data.get("reward_baselines"),
+        reward_components=reward_components(data, algo.gdpo_reward_keys, reward_fn),
+        reward_weights=algo.gdpo_reward_weights, gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std,
+    )
+    return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, metrics
+
+
+def batch_metrics(batch: DataProto, groups: bool) -> dict[str, float]:
+    """A trained batch's scores, response lengths, stop ratio, token count (`perf/total_num_tokens`), advantages
+    and log-prob gap where it has them; with `groups` (a group estimator) the share of groups with one reward."""
+    data = batch.batch
+    lengths = data["response_mask"].sum(-1).float()
+    metrics = {
+        "critic/score/mean": float(data["scores"].mean()), "critic/score/max": float(data["scores"].max()),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response/stop_ratio": float(np.mean(batch.non_tensor_batch["finish_reason"] == "stop")),
+        "perf/total_num_tokens": float(data["attention_mask"].sum()),
+    }
+    if "advantages" in data:  # absent where nothing trains (a rollout-only run, an SFT loss)
+        metrics["critic/advantages/mean"] = float(data["advantages"][data["response_mask"].bool()].mean())
+    if "reward_baselines" in data:  # ReMax: the greedy responses' mean reward (each prompt's, n times)
+        metrics["critic/baseline_score/mean"] = float(data["reward_baselines"].mean())
+    if "old_log_probs" in data and "rollout_log_probs" in data:
+        metrics.update(logprob_gap(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+    if groups:  # group estimators: the share of groups that teach nothing
+        metrics["critic/frac_reward_zero_std"] = zero_std_group_fraction(data["scores"].numpy(),
+                                                                         batch.non_tensor_batch["uid"])
+    return metrics
 
 
 def baseline_per_row(baseline: DataProto, baseline_rewards: DataProto, batch: DataProto) -> torch.Tensor:

@@ -86,7 +86,7 @@ class CriticWorker(ModelWorker):
         return self.strategy.train_step(batch, loss_fn, loss_unit)
 
 
-def _concat_reward_shares(layout, shares: list[DataProto]) -> DataProto:
+def combine_reward_shares(shares: list[DataProto]) -> DataProto:
     """The reward workers' shares in dp order. A share lacks a `reward_extra/*` column when none of its rows returned
     that field (each one raised and was scored 0, or, under a data_source mapping, its rows' functions do not return
     it): there the column is 0 (None for `reward_extra/pred`), as on such rows within a share."""
@@ -103,7 +103,8 @@ def _concat_reward_shares(layout, shares: list[DataProto]) -> DataProto:
 
 _REWARD_DP_COMPUTE = register_dispatch_mode(
     "reward_dp_compute", lambda layout, args, kwargs: split_dp_args(layout, args, kwargs, first_mp_rank_only=False),
-    _concat_reward_shares, lambda layout: layout.collect_ranks())
+    lambda layout, shares: combine_reward_shares(shares), lambda layout: layout.collect_ranks(),
+    combine_fn=combine_reward_shares)
 
 
 class RewardWorker(Worker):

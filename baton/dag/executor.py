@@ -1,0 +1,233 @@
+"""The single-controller executor: the driver walks a workflow graph each step, with data passed by reference.
+
+A node runs once every dependency has COMPLETED (READY → RUNNING → COMPLETED). Its input is its dependencies'
+outputs joined (`JoinedData`: references to the shards where the workers keep them); a model node issues its
+cluster call without waiting for data (`Cluster.submit`) and is COMPLETED when the call has finished, which the
+driver learns from the row counts alone. COMPUTE nodes run on a `ComputeWorker`. Independent branches run at
+the same time (each ready node in a thread of its own) on the Ray backend; on the local backend, where every
+worker shares the driver's process, nodes run one at a time in topological order, so a step is deterministic.
+
+A node that raises is FAILED, every node downstream of it SKIPPED, the branches already running finish, and
+the step raises `DAGExecutionError` naming the node, the rank and the traceback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from baton.dag.graph import Node, NodeStatus, NodeType, TaskGraph
+from baton.data import DataProto
+from baton.distributed import CallFuture, DataProtoFuture, JoinedData, WorkerError
+from baton.distributed.future import RenamedData
+from baton.distributed.backend import Source
+
+Data = DataProto | DataProtoFuture | JoinedData
+
+
+@dataclass
+class NodeOutput:
+    """What a controller-side node function returns.
+
+    data: the columns it adds (joined to its input for the nodes downstream), or, for an executable declared
+        with `node_function(output="replace")` or "filter", the whole batch they receive; None adds nothing.
+    metrics: name → number for the step's metrics.
+    """
+
+    data: Data | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class NodeContext:
+    """What a controller-side node function gets besides its input: the node, the step, and the pipeline that
+    owns the clusters (`pipeline.actor`, `.rollout`, `.reward`, …), the config, the tokenizer and timers."""
+
+    node: Node
+    step: int
+    pipeline: Any
+
+    @property
+    def config(self) -> dict:
+        return self.node.config
+
+
+@dataclass
+class NodeFailure:
+    node_id: str
+    error: str  # what went wrong, with the rank where a worker raised
+    traceback: str
+
+
+class DAGExecutionError(RuntimeError):
+    """A step of a workflow failed: `failures` names each FAILED node; `skipped` the nodes that did not run."""
+
+    def __init__(self, graph_id: str, step: int, failures: list[NodeFailure], skipped: list[str]):
+        self.failures, self.skipped = failures, skipped
+        lines = [f"workflow {graph_id!r} step {step}: {len(failures)} node(s) FAILED"
+                 + (f"; skipped downstream: {', '.join(skipped)}" if skipped else "")]
+        for failure in failures:
+            lines.append(f"node {failure.node_id!r}: {failure.error}\n{failure.traceback.rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+class SingleControllerExecutor:
+    """Runs `graph` one step at a time for `pipeline` (see `NodeContext`).
+
+    compute: the `ComputeWorker` clusters; a COMPUTE node runs on `compute[i]`, i from `compute_slots` (nodes
+        that may run at the same time get different workers).
+    parallel: run independent ready nodes at the same time (threads); False runs them one at a time, in
+        topological order (the local backend's setting).
+    node_timeout_s: the longest a node may run; past it the step fails naming the node.
+    """
+
+    def __init__(self, graph: TaskGraph, pipeline: Any, compute: list | None = None, *, parallel: bool = True,
+                 node_timeout_s: float = 3600.0):
+        self.graph, self.pipeline, self.compute = graph, pipeline, list(compute or [])
+        self.parallel, self.node_timeout_s = parallel, node_timeout_s
+        self.compute_slots = compute_slots(graph, max(1, len(self.compute)))
+        self.order = graph.topological_order()
+        self.events: list[tuple[str, str, float]] = []  # (node_id, "start" | "end", time.monotonic())
+        self._lock = threading.Lock()
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One pass over the graph; returns the nodes' metrics (in topological order of the nodes)."""
+        self.graph.reset()
+        self.events = []
+        outputs: dict[str, tuple[Data | None, dict]] = {}
+        failures: list[NodeFailure] = []
+        if self.parallel:
+            self._run_parallel(step, outputs, failures)
+        else:
+            for node_id in self.order:
+                node = self.graph.nodes[node_id]
+                if node.status == NodeStatus.SKIPPED:
+                    continue
+                node.set_status(NodeStatus.READY)
+                self._finish(node_id, self._run_node(step, node_id, outputs), outputs, failures)
+        if failures:
+            skipped = [i for i in self.order if self.graph.nodes[i].status == NodeStatus.SKIPPED]
+            raise DAGExecutionError(self.graph.graph_id, step, failures, skipped)
+        metrics: dict[str, float] = {}
+        for node_id in self.order:
+            metrics.update(outputs[node_id][1])
+        return metrics
+
+    def _run_parallel(self, step: int, outputs: dict, failures: list) -> None:
+        nodes = self.graph.nodes
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes)), thread_name_prefix="dag") as pool:
+            running: dict[concurrent.futures.Future, str] = {}
+
+            def launch_ready() -> None:
+                for node_id in self.order:
+                    node = nodes[node_id]
+                    if node.status == NodeStatus.PENDING and all(
+                            nodes[d].status == NodeStatus.COMPLETED for d in node.dependencies):
+                        node.set_status(NodeStatus.READY)
+                        running[pool.submit(self._run_node, step, node_id, outputs)] = node_id
+
+            launch_ready()
+            while running:
+                done, _ = concurrent.futures.wait(running, timeout=self.node_timeout_s,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                if not done:
+                    stuck = ", ".join(sorted(running.values()))
+                    raise TimeoutError(f"workflow {self.graph.graph_id!r} step {step}: node(s) {stuck} ran longer than "
+                                       f"node_timeout_s={self.node_timeout_s:g} s")
+                for future in done:
+                    self._finish(running.pop(future), future.result(), outputs, failures)
+                launch_ready()
+
+    def _run_node(self, step: int, node_id: str, outputs: dict):
+        """(output data, metrics) or a NodeFailure. Runs in a pool thread when parallel."""
+        node = self.graph.nodes[node_id]
+        node.set_status(NodeStatus.RUNNING)
+        with self._lock:
+            self.events.append((node_id, "start", time.monotonic()))
+        try:
+            inputs = JoinedData.of(*(outputs[d][0] for d in node.dependencies))
+            if node.node_type == NodeType.COMPUTE:
+                result = self._compute(node, inputs)
+            elif node.node_type in (NodeType.BARRIER_SYNC, NodeType.PUT_TO_BUFFER, NodeType.GET_FROM_BUFFER):
+                # The driver holds every output by reference: its dependencies having completed is the barrier,
+                # and the data passes through as it is.
+                result = NodeOutput()
+            else:
+                result = node.resolve()(NodeContext(node, step, self.pipeline), inputs)
+                if result is None:
+                    result = NodeOutput()
+                if not isinstance(result, NodeOutput):
+                    raise TypeError(f"{node.executable} returned {type(result).__name__}; a {node.node_type} node's "
+                                    "function returns a baton.dag.NodeOutput (or None)")
+            settle(result.data, self.node_timeout_s)
+            data = result.data if node.output_mode != "add" else JoinedData.of(inputs, result.data)
+            return data, {k: float(v) for k, v in result.metrics.items()}
+        except Exception as error:  # the node's failure, reported with its traceback; the others carry on
+            where = (f"{error.cluster}[rank {error.rank}].{error.method} raised" if isinstance(error, WorkerError)
+                     else f"raised {type(error).__name__}")
+            return NodeFailure(node_id, f"{where}: {error}", traceback.format_exc())
+        finally:
+            with self._lock:
+                self.events.append((node_id, "end", time.monotonic()))
+
+    def _finish(self, node_id: str, result, outputs: dict, failures: list) -> None:
+        node = self.graph.nodes[node_id]
+        if isinstance(result, NodeFailure):
+            node.set_status(NodeStatus.FAILED, result.error)
+            failures.append(result)
+            for below in self.graph.descendants(node_id):
+                self.graph.nodes[below].set_status(NodeStatus.SKIPPED, f"upstream node {node_id!r} failed")
+            return
+        outputs[node_id] = result
+        node.set_status(NodeStatus.COMPLETED)
+
+    def _compute(self, node: Node, inputs: Data) -> NodeOutput:
+        if not self.compute:
+            raise RuntimeError(f"{node.where} is a compute node and this executor has no compute workers")
+        if not isinstance(node.executable, str):
+            raise TypeError(f"{node.where}: a compute node runs on a worker, so its executable must be an import "
+                            f"path 'package.module:function', not {node.executable!r}")
+        cluster = self.compute[self.compute_slots[node.node_id]]
+        handle, num_rows, metrics = cluster.run_node(node.node_id, node.executable, inputs, node.config)
+        data = handle if isinstance(handle, DataProto) else DataProtoFuture(
+            [handle], "ray", row_ranges=[(0, num_rows)], sources=[Source(cluster.name, 0, "run_node")])
+        return NodeOutput(data, metrics)
+
+
+def settle(data: Data | None, timeout_s: float) -> None:
+    """Wait until the calls that make `data` have finished, fetching only row counts (an error raises here)."""
+    if isinstance(data, JoinedData):
+        for part in data.parts:
+            settle(part, timeout_s)
+    elif isinstance(data, RenamedData):
+        settle(data.source, timeout_s)
+    elif isinstance(data, DataProtoFuture) and data.length_refs is not None:
+        data.shard_lengths(timeout_s)
+    elif isinstance(data, CallFuture):
+        data.get(timeout_s)
+
+
+def compute_slots(graph: TaskGraph, num_workers: int) -> dict[str, int]:
+    """compute node → worker index: the lowest index no already-placed compute node that may run at the same time
+    (neither upstream nor downstream of it) has, modulo `num_workers`."""
+    slots: dict[str, int] = {}
+    for node_id in graph.topological_order():
+        if graph.nodes[node_id].node_type != NodeType.COMPUTE:
+            continue
+        related = graph.ancestors(node_id) | graph.descendants(node_id)
+        taken = {slot for other, slot in slots.items() if other not in related}
+        slots[node_id] = next(i for i in range(len(slots) + 1) if i not in taken) % num_workers
+    return slots
+
+
+def overlap_s(events: list[tuple[str, str, float]], a: str, b: str) -> float:
+    """Seconds nodes `a` and `b` ran at the same time in a step's `events` (0 when they did not overlap)."""
+    span = {n: (min(t for m, k, t in events if m == n and k == "start"),
+                max(t for m, k, t in events if m == n and k == "end")) for n in (a, b)}
+    return float(np.clip(min(span[a][1], span[b][1]) - max(span[a][0], span[b][0]), 0.0, None))

@@ -1,0 +1,189 @@
+"""RLVR as a workflow graph (siiRL's model): each step runs a DAG of typed nodes instead of a fixed loop.
+
+`DAGPipeline` builds the clusters `RLVRPipeline` builds (actor, rollout, reward, reference, critic) plus the
+`ComputeWorker`s its COMPUTE nodes run on, loads the workflow (`workflow:` inline in siiRL's schema, a path to
+a YAML file of it, or none: GRPO, or PPO with a critic) and runs one pass over the graph per step. With the
+shipped nodes (`baton.dag.nodes`) it computes what `RLVRPipeline.run()` computes, so the same seed and config
+give the same metrics; a workflow can add, remove and branch nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.config.loader import ConfigError
+from baton.dag.compute import ComputeWorker
+from baton.dag.executor import SingleControllerExecutor
+from baton.dag.graph import TaskGraph, Workflow
+from baton.dag.loader import load_workflow
+from baton.pipelines.config import RLVRConfig, WorkerSettings
+from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
+from baton.pipelines.rlvr import RLVRPipeline
+
+NODES = "baton.dag.nodes"
+
+
+@dataclass
+class DAGSettings:
+    """How the workflow runs.
+
+    executor: "single_controller" (the driver walks the graph; data passed by reference).
+    num_compute_workers: processes for COMPUTE nodes; compute nodes that may run at the same time go to
+        different ones (up to this many).
+    compute: those workers' CPUs and limits.
+    node_timeout_s: the longest one node may run before the step fails naming it.
+    """
+
+    executor: str = "single_controller"
+    num_compute_workers: int = 1
+    compute: WorkerSettings = field(default_factory=lambda: WorkerSettings(num_devices_per_worker=0,
+                                                                           num_cpus_per_worker=0.25))
+    node_timeout_s: float = 3600.0
+
+
+@dataclass
+class DAGConfig(RLVRConfig):
+    """`RLVRConfig` with a workflow graph. workflow: siiRL's schema (dag_id, nodes: node_id, node_type, node_role,
+    dependencies, executable_ref, config) inline, or a path to a YAML file of it; None: the RLVR loop as a graph
+    (`rlvr_workflow`)."""
+
+    pipeline_cls: str = "baton.pipelines.dag:DAGPipeline"
+    workflow: dict[str, Any] | str | None = None
+    dag: DAGSettings = field(default_factory=DAGSettings)
+
+    def check(self) -> None:
+        super().check()
+        if self.dag.executor != "single_controller":
+            raise ConfigError(f"dag.executor {self.dag.executor!r}: the executor built is 'single_controller'")
+        if self.dag.num_compute_workers < 1:
+            raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
+        from baton.algorithms import estimator_needs
+
+        if estimator_needs(self.algorithm.adv_estimator).baseline_rollout:
+            raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
+                              "rollout, which the shipped workflow nodes do not generate; use grpo, rloo, gae, ...")
+        if self.algorithm.use_kl_in_reward and self.algorithm.kl_ctrl.type == "adaptive":
+            raise ConfigError("algorithm.kl_ctrl.type 'adaptive' is not run by the workflow's advantage node (its "
+                              "coefficient is fixed); use kl_ctrl.type fixed, or RLVRPipeline")
+        self.graph()  # every workflow error before any worker starts
+
+    def graph(self) -> TaskGraph:
+        if self.workflow is None:
+            return rlvr_workflow(has_reference=self.reference is not None or self.algorithm.use_kl_loss
+                                 or self.algorithm.use_kl_in_reward,
+                                 has_critic=self.critic is not None and self.algorithm.adv_estimator == "gae")
+        return load_workflow(self.workflow)
+
+
+def rlvr_workflow(has_reference: bool = False, has_critic: bool = False) -> TaskGraph:
+    """`RLVRPipeline.run()`'s step as a graph: data → rollout → reward → {old log-probs, ref log-probs, values}
+    → advantage → (critic update) → actor update → weight sync, and the batch metrics beside the updates."""
+    flow = Workflow("grpo" if not has_critic else "ppo")
+    flow.add_node("data", "data_load", executable=f"{NODES}:load_prompts")
+    flow.add_node("rollout", "model_inference", role="rollout", dependencies=["data"], executable=f"{NODES}:generate")
+    flow.add_node("reward", "model_inference", role="reward", dependencies=["rollout"],
+                  executable=f"{NODES}:compute_reward")
+    # The forward passes are independent: they run at the same time where the models are on other workers.
+    flow.add_node("old_log_prob", "model_inference", role="actor", dependencies=["reward"],
+                  executable=f"{NODES}:old_log_probs", only_forward_compute=True)
+    last = ["old_log_prob"]
+    if has_reference:
+        flow.add_node("ref_log_prob", "model_inference", role="reference", dependencies=["reward"],
+                      executable=f"{NODES}:ref_log_probs")
+        last.append("ref_log_prob")
+    if has_critic:
+        flow.add_node("values", "model_inference", role="critic", dependencies=["reward"],
+                      executable=f"{NODES}:critic_values")
+        last.append("values")
+    flow.add_node("advantage", "compute", role="advantage", dependencies=last, executable=f"{NODES}:compute_advantage")
+    flow.add_node("metrics", "compute", dependencies=["advantage"], executable=f"{NODES}:rollout_metrics")
+    train_after = ["advantage"]
+    if has_critic:
+        flow.add_node("critic_train", "model_train", role="critic", dependencies=["advantage"],
+                      executable=f"{NODES}:train_critic")
+        train_after = ["critic_train"]
+    flow.add_node("actor_train", "model_train", role="actor", dependencies=train_after, executable=f"{NODES}:train_actor")
+    flow.add_node("sync", "custom", role="actor", dependencies=["actor_train"], executable=f"{NODES}:sync_weights")
+    return flow.build()
+
+
+class DAGPipeline(RLVRPipeline):
+    config_cls = DAGConfig
+
+    def extra_roles(self, config: DAGConfig) -> dict:
+        settings = ({"algorithm": config.algorithm, "reward_fn": config.reward_fn},)
+        return {f"compute_{i}": (ComputeWorker, config.dag.compute, settings)
+                for i in range(config.dag.num_compute_workers)}
+
+    def __init__(self, config: DAGConfig):
+        super().__init__(config)
+        if self.resident:
+            raise ConfigError("trainer.offload_idle_roles: roles taking turns on shared devices are not scheduled by "
+                              "the workflow executor yet; set trainer.offload_idle_roles: false, or run RLVRPipeline")
+        self.graph = config.graph()
+        self._check_needs()
+        compute = [self.clusters[f"compute_{i}"] for i in range(config.dag.num_compute_workers)]
+        groups = self.signal_watch is not None
+        for node in self.graph.nodes.values():
+            if node.executable == f"{NODES}:rollout_metrics":
+                node.config.setdefault("groups", groups)
+        self.executor = SingleControllerExecutor(self.graph, self, compute, parallel=self.manager.backend != "local",
+                                                 node_timeout_s=config.dag.node_timeout_s)
+
+    def _check_needs(self) -> None:
+        """The columns the configured algorithm trains on are written by some node of the workflow."""
+        written = {c for node in self.graph.nodes.values() for c in node.columns()[1]}
+        needs = {"old_log_probs": self.needs_old_log_probs, "ref_log_probs": self.reference is not None,
+                 "values": self.critic is not None}
+        for column, needed in needs.items():
+            if needed and column not in written:
+                raise ConfigError(f"workflow {self.graph.graph_id!r}: the config's algorithm needs {column!r} and no "
+                                  f"node writes it; add the node (e.g. {NODES}:{_WRITER[column]})")
+
+    def run(self) -> dict:
+        tracker = self.make_tracker()
+        start = time.perf_counter()
+        first_val = self.first_validation()
+        metrics: dict[str, float] = {}
+        for step in self.training_steps(self.graph.graph_id):
+            with self.timer("step"):
+                node_metrics = self.executor.run_step(step)
+            metrics = {**node_metrics, **self.node_timings(), **self.timings}
+            if "perf/total_num_tokens" in metrics:
+                metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings["timing_s/step"]
+            if self.signal_watch is not None and "critic/frac_reward_zero_std" in metrics:
+                self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
+            self.end_step(step, metrics, "reward", "critic/score/mean")
+        tracker.close()
+        return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
+
+    def node_timings(self) -> dict[str, float]:
+        """`timing_s/node/<id>`: each node's run time in the last step (issue to completion)."""
+        times: dict[str, float] = {}
+        for node_id, kind, t in self.executor.events:
+            times[node_id] = times.get(node_id, 0.0) + (t if kind == "end" else -t)
+        return {f"timing_s/node/{node_id}": seconds for node_id, seconds in times.items()}
+
+
+_WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "values": "critic_values"}
+
+
+def _demo_dag_default() -> DAGConfig:
+    base = _rlvr_default()
+    return DAGConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(RLVRConfig) if f.name != "pipeline_cls"})
+
+
+@dataclass
+class DAGDemoConfig(DemoConfig):
+    """The demo (SFT, then GRPO from its checkpoint) with the GRPO stage run as a workflow graph (`rlvr.workflow`)."""
+
+    pipeline_cls: str = "baton.pipelines.dag:DAGDemoPipeline"
+    rlvr: DAGConfig = field(default_factory=_demo_dag_default)
+
+
+class DAGDemoPipeline(DemoPipeline):
+    config_cls = DAGDemoConfig
+    rlvr_pipeline_cls = "baton.pipelines.dag:DAGPipeline"
