@@ -21,12 +21,17 @@ The sync run's gen and train are the work a step holds; an overlapped step takes
 them, so a mode's overlap efficiency is (sync gen + sync train) / its step, against the ideal
 (gen + train) / max(gen, train); `overlap_efficiency` in the JSON is the better overlapped mode's.
 
+Per mode it also meters the CPU seconds a step uses in the driver and every Ray worker process together (`CPU s`,
+sampled with psutil) and divides them by the machine's cores (`floor s`): no schedule runs that work in less wall
+time on this machine, so where the floor is above max(gen, train) the cores, not the overlap, bound the step.
+
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1] [--run-dir runs/bench_rollout]
                                       [--sft-checkpoint PATH] [--fresh] [--json /tmp/rollout.json] [--check]
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +39,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -41,6 +47,7 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 # Ray starts its workers at niceness 15; the driver polls the engine and scores the rewards at 0. One priority.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
+import psutil
 import torch
 
 from common import finish, local_ray, parser as common_parser
@@ -115,18 +122,73 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
         rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS, poll_s=POLL_S))
 
 
+class CpuMeter:
+    """CPU seconds used by this process and every Ray worker process (`ray::…`), and the steps written to a
+    metrics file, sampled every `interval_s` in a thread: the CPU work a step takes, wherever it runs."""
+
+    def __init__(self, metrics_path: str, interval_s: float = 0.25):
+        self.metrics_path, self.interval_s = metrics_path, interval_s
+        self.samples: list[tuple[int, float]] = []  # (steps written, CPU seconds so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+
+    def __enter__(self) -> "CpuMeter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.samples.append((self._steps_written(), self._cpu_s()))
+
+    def _steps_written(self) -> int:
+        try:
+            with open(self.metrics_path, "rb") as f:
+                return sum(b'"timing_s/step"' in line for line in f)
+        except OSError:
+            return 0
+
+    @staticmethod
+    def _cpu_s() -> float:
+        total = 0.0
+        for process in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+            cmdline = process.info["cmdline"] or []
+            if process.info["pid"] == os.getpid() or (cmdline and cmdline[0].startswith("ray::")):
+                times = process.info["cpu_times"]
+                total += times.user + times.system if times else 0.0
+        return total
+
+    def cpu_s_per_step(self, first_step: int, last_step: int) -> float | None:
+        """CPU seconds per step over steps first_step+1 … last_step (from the first sample that saw first_step
+        written to the first that saw last_step); None when the samples don't span them."""
+        start = next((cpu for steps, cpu in self.samples if steps >= first_step), None)
+        end = next((cpu for steps, cpu in self.samples if steps >= last_step), None)
+        if start is None or end is None or last_step <= first_step:
+            return None
+        return (end - start) / (last_step - first_step)
+
+
 def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int) -> dict:
-    """One GRPO run; its step split (medians over the steps after the warm-up), accuracies and wall time."""
+    """One GRPO run; its step split (medians over the steps after the warm-up), the CPU seconds a step used (all
+    processes), accuracies and wall time."""
     start = time.perf_counter()
     config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed)
-    summary = run_pipeline(RolloutRLVRPipeline, config)
+    with contextlib.suppress(FileNotFoundError):  # the meter counts this run's steps only (overwrite=True)
+        os.remove(os.path.join(run_dir, "metrics.jsonl"))
+    with CpuMeter(os.path.join(run_dir, "metrics.jsonl")) as meter:
+        summary = run_pipeline(RolloutRLVRPipeline, config)
     wall_s = time.perf_counter() - start
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "timing_s/step" in r]
     timed = records[NUM_WARMUP_STEPS:]
     step_s = statistics.median(r["timing_s/step"] for r in timed)
     gen_s = statistics.median(r["timing_s/gen"] for r in timed)
+    # The last step also validates and saves: its CPU is left out.
     return {"mode": mode, "seed": seed, "step_s": step_s, "gen_s": gen_s, "train_s": step_s - gen_s,
+            "cpu_s_per_step": meter.cpu_s_per_step(NUM_WARMUP_STEPS, num_steps - 1),
             "start_accuracy": summary["start_val_accuracy"], "accuracy": summary["final_val_accuracy"],
             "final_reward": summary.get("final_reward"), "wall_s": wall_s,
             "step_times_s": [r["timing_s/step"] for r in records], "gen_times_s": [r["timing_s/gen"] for r in records],
@@ -183,7 +245,12 @@ def main() -> int:
     for mode in MODES:
         step_s = median_of(mode, "step_s")
         accuracies = [r["accuracy"] for r in runs if r["mode"] == mode]
+        cpu_s = [r["cpu_s_per_step"] for r in runs if r["mode"] == mode and r["cpu_s_per_step"] is not None]
+        cpu_s_per_step = statistics.median(cpu_s) if cpu_s else None
+        cpu_floor_s = cpu_s_per_step / os.cpu_count() if cpu_s else None
         per_mode[mode] = {"step_s": step_s, "gen_s": median_of(mode, "gen_s"), "train_s": step_s - median_of(mode, "gen_s"),
+                          "cpu_s_per_step": cpu_s_per_step, "cpu_floor_s": cpu_floor_s,
+                          "step_over_cpu_floor": step_s / cpu_floor_s if cpu_s else None,
                           "speedup": sync_step_s / step_s, "accuracy": statistics.median(accuracies),
                           "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
                           "overlap_efficiency": (sync_gen_s + sync_train_s) / step_s, "step_over_bound": step_s / bound_s}
@@ -193,14 +260,17 @@ def main() -> int:
           f"({sync_gen_s / sync_step_s:.0%}), train {sync_train_s:.2f} s ({sync_train_s / sync_step_s:.0%}); "
           f"max(gen, train) {bound_s:.2f} s; ideal overlap efficiency {ideal_efficiency:.2f}")
     print(f"{'mode':>12}  {'s/step':>7}  {'speedup':>7}  {'gen s':>6}  {'train s':>7}  {'(gen+train)/step':>16}  "
-          f"{'step/max':>8}  {'accuracy':>9}")
+          f"{'step/max':>8}  {'CPU s':>6}  {'floor s':>7}  {'accuracy':>9}")
     for mode, m in per_mode.items():
         spread = f" ({m['accuracy_min']:.0%}–{m['accuracy_max']:.0%})" if len(args.seeds) > 1 else ""
         print(f"{mode:>12}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['train_s']:>7.2f}  "
-              f"{m['overlap_efficiency']:>16.2f}  {m['step_over_bound']:>7.2f}×  {m['accuracy']:>9.1%}{spread}")
+              f"{m['overlap_efficiency']:>16.2f}  {m['step_over_bound']:>7.2f}×  {m['cpu_s_per_step'] or 0:>6.2f}  "
+              f"{m['cpu_floor_s'] or 0:>7.2f}  {m['accuracy']:>9.1%}{spread}")
     print(f"(medians over steps {NUM_WARMUP_STEPS + 1}–{num_steps}"
           f"{' and over seeds' if len(args.seeds) > 1 else ', one seed'}; gen, train: the wait for samples and the "
-          f"rest of the step; load average at start {load_start}, at end {load_end})")
+          f"rest of the step; CPU s: the CPU seconds a step used in the driver and every Ray worker, floor s: that over "
+          f"the {os.cpu_count()} cores, the shortest step this machine can run that work in, overlapped or not; load "
+          f"average at start {load_start}, at end {load_end})")
 
     best = max(("one_step_off", "async"), key=lambda mode: per_mode[mode]["overlap_efficiency"])
     figures = {
