@@ -57,8 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--prompts-file", default=None, help="a text file with one prompt per line, or a .jsonl/.parquet "
                           "prompt file")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
+    dag = commands.add_parser("dag", help="workflow graphs: `baton dag plan CONFIG` prints how one is scheduled")
+    dag_commands = dag.add_subparsers(dest="dag_command", required=True)
+    plan = dag_commands.add_parser(
+        "plan", help="split a workflow into subgraphs, apportion and place workers, print the table",
+        description="CONFIG: a workflow YAML (dag_id, nodes) or a run config with `workflow:` (a DAG pipeline's, "
+        "or the demo's under rlvr:). Prints subgraph -> ranks -> nodes, the process groups and the edges between "
+        "subgraphs; --png draws the graph.")
+    plan.add_argument("config")
+    plan.add_argument("--nodes", type=int, default=1, help="machine nodes (default 1)")
+    plan.add_argument("--slots-per-node", type=int, default=8, help="device slots per machine node (default 8)")
+    plan.add_argument("--apportion", default="even", choices=["even", "model_size"],
+                      help="workers per subgraph: even, or by the nodes' config model_size")
+    plan.add_argument("--png", default=None, help="also draw the graph to this PNG file (never overwritten)")
     args = parser.parse_args(argv)
 
+    if args.command == "dag":
+        return dag_plan(args)
     if args.command == "plot":
         from baton.tracking import plot_run
 
@@ -91,6 +106,32 @@ def main(argv: list[str] | None = None) -> int:
               f"\n  full traceback: {write_error_log(config, e)}", file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
+    return 0
+
+
+def dag_plan(args) -> int:
+    """`baton dag plan`: the scheduler's plan of a workflow, without starting anything."""
+    from baton.config import ConfigError, load_yaml
+    from baton.dag import ClusterLayout, WorkflowError, load_workflow, schedule
+
+    try:
+        data = load_yaml(args.config)
+        if "dag_id" not in data:  # a run config: its workflow (the demo's: its rlvr stage's)
+            pipeline_cls, config = resolve(args.config, [])
+            config = config.stage("rlvr") if hasattr(config, "stage") else config
+            if not hasattr(config, "graph"):
+                raise ConfigError(f"{args.config}: {type(config).__name__} runs no workflow; give a workflow YAML or "
+                                  "a DAG pipeline's config (pipeline_cls: baton.pipelines.dag:DAGPipeline)")
+            graph = config.graph()
+        else:
+            graph = load_workflow(data)
+        plan = schedule(graph, ClusterLayout.uniform(args.nodes, args.slots_per_node), apportion_by=args.apportion)
+        print(plan.table())
+        if args.png:
+            print(f"graph drawn to {plan.draw(args.png)}")
+    except (ConfigError, WorkflowError, FileExistsError) as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

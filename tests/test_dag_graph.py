@@ -243,9 +243,6 @@ def test_executable_not_callable():
         flow().add_node("c", "compute", dependencies=["data"], executable=f"{NODES}:PROMPT_COLUMNS").build()
 
 
-@pytest.mark.xfail(strict=True, reason="Node.resolve() only imports str executables and only checks callable() on "
-                   "what it imported: an executable that is neither a string nor a callable (42, or a YAML "
-                   "executable_ref: 42) passes validation as a node with no columns, and fails only when it runs")
 def test_executable_neither_string_nor_callable():
     with pytest.raises(WorkflowError, match=r"node 'c' \(compute, default\).*executable 42"):
         flow().add_node("c", "compute", dependencies=["data"], executable=NOT_CALLABLE).build()
@@ -721,8 +718,6 @@ def test_load_config_not_a_mapping(config):
         load_workflow(raw)
 
 
-@pytest.mark.xfail(strict=True, reason="loader checks `raw.get('config', {}) or {}`, so a falsy non-mapping config "
-                   "([], '', 0, false) is silently taken as {} instead of being an error")
 def test_load_empty_list_config_is_an_error():
     raw = {"dag_id": "g", "nodes": [{"node_id": "data", "node_type": "data_load",
                                      "executable_ref": f"{NODES}:load_prompts", "config": []}]}

@@ -84,16 +84,28 @@ def test_disjoint_branches_are_three_subgraphs_without_duplicates():
 
 
 def test_branch_that_meets_the_prefix_again_stays_with_it():
-    # gen fans out to a and b with disjoint descendants, but data also feeds b2, so b's branch is cut off only
-    # from gen and stays connected to the prefix through data -> b2.
+    # gen fans out to two model branches with disjoint descendants, but data also feeds b2, so b's branch is cut
+    # off only from gen and stays connected to the prefix through data -> b2.
     graph = (Workflow("w").add_node("data", "data_load", executable=step)
              .add_node("gen", "model_inference", role="rollout", dependencies=["data"], executable=step)
-             .add_node("a", "compute", dependencies=["gen"], executable=step)
-             .add_node("b", "compute", dependencies=["gen"], executable=step)
+             .add_node("a", "model_train", role="actor", dependencies=["gen"], executable=step)
+             .add_node("b", "model_train", role="critic", dependencies=["gen"], executable=step)
              .add_node("b2", "compute", dependencies=["b", "data"], executable=step).build())
     subgraphs = split_subgraphs(graph)
     assert node_sets(subgraphs) == {frozenset({"data", "gen", "b", "b2"}), frozenset({"a"})}
     assert cross_edges(graph, subgraphs) == [("gen", "a")]
+
+
+def test_a_branch_without_a_model_stays_where_its_input_is():
+    # GRPO's advantage fans out to the batch metrics (an exit, no model) and the update: one subgraph, not three.
+    graph = (Workflow("w").add_node("data", "data_load", executable=step)
+             .add_node("gen", "model_inference", role="rollout", dependencies=["data"], executable=step)
+             .add_node("advantage", "compute", role="advantage", dependencies=["gen"], executable=step)
+             .add_node("metrics", "compute", dependencies=["advantage"], executable=step)
+             .add_node("train", "model_train", role="actor", dependencies=["advantage"], executable=step)
+             .add_node("sync", "custom", role="actor", dependencies=["train"], executable=step).build())
+    [only] = split_subgraphs(graph)
+    assert only.node_ids == ("data", "gen", "advantage", "metrics", "train", "sync")
 
 
 def test_split_is_deterministic_and_independent_of_node_order():

@@ -126,6 +126,11 @@ class Node:
             self.dependencies = [self.dependencies]
         self.dependencies = list(self.dependencies or [])
         self.config = dict(self.config or {})
+        if self.executable is not None and not (isinstance(self.executable, str) or callable(self.executable)):
+            raise WorkflowError(f"{self.where}: executable {self.executable!r} must be an import path "
+                                "'package.module:function' or a function")
+        if not isinstance(self.only_forward_compute, bool):
+            raise WorkflowError(f"{where}: only_forward_compute={self.only_forward_compute!r} must be true or false")
         if not isinstance(self.agent_group, int) or self.agent_group < 0:
             raise WorkflowError(f"{where}: agent_group={self.agent_group!r} must be an int >= 0")
         self._resolved: Callable | None = self.executable if callable(self.executable) else None
@@ -158,7 +163,11 @@ class Node:
                 return list(own)
             if declared is None:
                 return []
-            return list(declared(self.config) if callable(declared) else declared)
+            try:
+                return list(declared(self.config) if callable(declared) else declared)
+            except KeyError as missing:
+                raise WorkflowError(f"{self.where}: its executable's columns depend on config key {missing}, which "
+                                    "the node's config does not set; add it under config:") from None
 
         return (pick(self.reads, getattr(fn, "dag_reads", None)), pick(self.writes, getattr(fn, "dag_writes", None)))
 
@@ -181,6 +190,7 @@ class TaskGraph:
     def __init__(self, graph_id: str, nodes: Iterable[Node]):
         self.graph_id = graph_id
         self.nodes: dict[str, Node] = {}
+        self._columns_out: dict[str, dict[str, str]] = {}
         for node in nodes:
             if node.node_id in self.nodes:
                 raise WorkflowError(f"workflow {graph_id!r}: two nodes have the id {node.node_id!r}; node ids must "
@@ -248,10 +258,22 @@ class TaskGraph:
     def columns_out(self, node_id: str) -> dict[str, str]:
         """column → writer for the batch `node_id` passes on: its input's plus its writes, or for a "replace"
         node its writes only."""
+        if node_id not in self._columns_out:
+            node = self.nodes[node_id]
+            out = {} if node.output_mode == "replace" else self.columns_into(node_id)
+            out.update({column: node_id for column in node.columns()[1]})
+            self._columns_out[node_id] = out
+        return dict(self._columns_out[node_id])
+
+    def rows_from(self, node_id: str) -> str:
+        """What made the rows of `node_id`'s output: the nearest "replace" or "filter" node upstream, or the
+        data_load nodes (a step's data loads give the same rows: the executor checks their counts)."""
         node = self.nodes[node_id]
-        out = {} if node.output_mode == "replace" else self.columns_into(node_id)
-        out.update({column: node_id for column in node.columns()[1]})
-        return out
+        if node.node_type == NodeType.DATA_LOAD:
+            return "the data_load nodes"
+        if node.output_mode != "add":
+            return node_id
+        return self.rows_from(node.dependencies[0])
 
     # --- checks ------------------------------------------------------------------------------------------------
 
@@ -335,6 +357,13 @@ class TaskGraph:
                             f"{through!r}) and {writer!r} (through {dep!r}); have one of them write another column "
                             "(a node-specific name) and combine them in a node of their own")
                     seen.setdefault(column, (writer, dep))
+            origins = {dep: self.rows_from(dep) for dep in node.dependencies}
+            if len(set(origins.values())) > 1:
+                raise WorkflowError(
+                    f"{node.where} joins batches with different rows: " + ", ".join(
+                        f"{dep!r} has the rows of {origin if origin.startswith('the ') else repr(origin)}"
+                        for dep, origin in origins.items()) + "; a node that "
+                    "changes the rows (replace, filter) must come before the fan-out, or after the merge")
             available = self.columns_into(node_id)
             missing = [c for c in reads if c not in available]
             if missing:

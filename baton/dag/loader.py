@@ -66,13 +66,13 @@ def load_workflow(source: str | os.PathLike | Mapping[str, Any]) -> TaskGraph:
             value = raw.get(key)
             if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
                 raise WorkflowError(f"{at}: {key} must be a list of strings, got {value!r}")
-        if not isinstance(raw.get("config", {}) or {}, Mapping):
+        if raw.get("config") is not None and not isinstance(raw["config"], Mapping):
             raise WorkflowError(f"{at}: config must be a mapping, got {raw['config']!r}")
         nodes.append(Node(
             node_id=raw["node_id"], node_type=raw["node_type"], node_role=raw.get("node_role") or "default",
             dependencies=list(raw.get("dependencies") or []), config=dict(raw.get("config") or {}),
             executable=raw.get("executable_ref"), reads=raw.get("reads"), writes=raw.get("writes"),
-            only_forward_compute=bool(raw.get("only_forward_compute", False)), agent_group=raw.get("agent_group", 0)))
+            only_forward_compute=raw.get("only_forward_compute", False), agent_group=raw.get("agent_group", 0)))
     return TaskGraph(graph_id, nodes)
 
 

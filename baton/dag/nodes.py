@@ -130,3 +130,46 @@ def keep_informative_groups(batch: DataProto, config: dict):
     return batch[rows], metrics
 
 
+
+
+@node_function(reads=["responses", "response_mask", "ground_truth"], writes=lambda config: [config["column"]])
+def score_with(batch: DataProto, config: dict):
+    """One reward function (`config["reward_fn"]`: a registry name or import path, called with `config["kwargs"]`)
+    on every response, into the float column `config["column"]`: a reward of its own, for a node that combines
+    several (`weighted_sum`). Runs on a compute worker; decodes with the actor's tokenizer."""
+    import torch
+
+    from baton.models import load_tokenizer
+    from baton.rewards import get_reward_fn
+
+    fn, kwargs = get_reward_fn(config["reward_fn"]), dict(config.get("kwargs") or {})
+    texts = _tokenizer(config["tokenizer"], load_tokenizer).batch_decode(batch.batch["responses"],
+                                                                         skip_special_tokens=True)
+    truths = batch.non_tensor_batch["ground_truth"]
+    scores = [float(fn(text, str(truth), **kwargs)) for text, truth in zip(texts, truths)]
+    column = config["column"]
+    return DataProto.from_dict({column: torch.tensor(scores, dtype=torch.float32)}), {
+        f"reward/{column}/mean": float(np.mean(scores))}
+
+
+@node_function(reads=lambda config: ["response_mask", *config["weights"]], writes=["scores", "token_level_scores"])
+def weighted_sum(batch: DataProto, config: dict):
+    """`scores` = Σ weight × column over `config["weights"]` ({column: weight}), and `token_level_scores` with the
+    score on each response's last token (the reward workers' layout)."""
+    import torch
+
+    mask = batch.batch["response_mask"]
+    scores = sum(float(w) * batch.batch[column].float() for column, w in config["weights"].items())
+    lengths = mask.sum(-1)
+    token_level = torch.zeros(mask.shape, dtype=torch.float32)
+    token_level[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = scores * (lengths > 0)
+    return DataProto.from_dict({"scores": scores, "token_level_scores": token_level})
+
+
+_TOKENIZERS: dict = {}
+
+
+def _tokenizer(path, load):
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = load(path)
+    return _TOKENIZERS[path]

@@ -45,9 +45,10 @@ def split_subgraphs(graph: TaskGraph) -> list[Subgraph]:
     """The graph's irreducible subgraphs; every node in exactly one.
 
     At a fan-out node F, F's children are grouped by whether their descendant sets (child included) intersect.
-    One group (the branches meet again downstream): nothing is cut. Two or more: every edge F -> child is cut.
-    The subgraphs are the undirected connected components of what remains, named "sg0", "sg1", ... in the
-    topological position of their first node.
+    One group (the branches meet again downstream): nothing is cut. Two or more groups that each hold a model
+    node (model_inference / model_train): every edge F -> child of those groups is cut; a group without a model
+    (metrics, a filter, a log) stays with F, where its input is. The subgraphs are the undirected connected
+    components of what remains, named "sg0", "sg1", ... in the topological position of their first node.
     """
     order = graph.topological_order()
     position = {node_id: i for i, node_id in enumerate(order)}
@@ -55,8 +56,12 @@ def split_subgraphs(graph: TaskGraph) -> list[Subgraph]:
     cut: set[tuple[str, str]] = set()
     for node_id in order:
         children = graph.children(node_id)
-        if len(children) > 1 and len(_groups(children, closure)) > 1:
-            cut.update((node_id, child) for child in children)
+        if len(children) < 2:
+            continue
+        heavy = [group for group in _groups(children, closure).values()
+                 if any(graph.nodes[n].node_type in MODEL_TYPES for c in group for n in closure[c])]
+        if len(heavy) > 1:
+            cut.update((node_id, child) for group in heavy for child in group)
     component = _UnionFind(order)
     for node_id in order:
         for parent in graph.parents(node_id):
@@ -352,14 +357,17 @@ def compact(numbers) -> str:
     return ",".join(parts)
 
 
-def _groups(children: list[str], closure: dict[str, set[str]]) -> set[str]:
-    """The groups (union-find roots) of `children` whose closures intersect."""
+def _groups(children: list[str], closure: dict[str, set[str]]) -> dict[str, list[str]]:
+    """`children` grouped (union-find root -> members) by whether their closures intersect."""
     groups = _UnionFind(children)
     for i, a in enumerate(children):
         for b in children[i + 1:]:
             if closure[a] & closure[b]:
                 groups.union(a, b)
-    return {groups.find(c) for c in children}
+    out: dict[str, list[str]] = {}
+    for child in children:
+        out.setdefault(groups.find(child), []).append(child)
+    return out
 
 
 def _owner(subgraphs: list[Subgraph]) -> dict[str, str]:

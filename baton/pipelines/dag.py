@@ -17,7 +17,7 @@ from typing import Any
 from baton.config.loader import ConfigError
 from baton.dag.compute import ComputeWorker
 from baton.dag.executor import SingleControllerExecutor
-from baton.dag.graph import TaskGraph, Workflow
+from baton.dag.graph import TaskGraph, Workflow, WorkflowError
 from baton.dag.loader import load_workflow
 from baton.pipelines.config import RLVRConfig, WorkerSettings
 from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
@@ -68,13 +68,20 @@ class DAGConfig(RLVRConfig):
         if self.algorithm.use_kl_in_reward and self.algorithm.kl_ctrl.type == "adaptive":
             raise ConfigError("algorithm.kl_ctrl.type 'adaptive' is not run by the workflow's advantage node (its "
                               "coefficient is fixed); use kl_ctrl.type fixed, or RLVRPipeline")
-        self.graph()  # every workflow error before any worker starts
+        try:
+            self.graph()  # every workflow error before any worker starts
+        except (WorkflowError, FileNotFoundError) as error:
+            raise ConfigError(f"workflow: {error}") from error
 
     def graph(self) -> TaskGraph:
         if self.workflow is None:
             return rlvr_workflow(has_reference=self.reference is not None or self.algorithm.use_kl_loss
                                  or self.algorithm.use_kl_in_reward,
                                  has_critic=self.critic is not None and self.algorithm.adv_estimator == "gae")
+        if isinstance(self.workflow, str):
+            from baton.config.paths import find_file
+
+            return load_workflow(find_file(self.workflow))  # from the working directory, else the config's
         return load_workflow(self.workflow)
 
 
@@ -114,7 +121,8 @@ class DAGPipeline(RLVRPipeline):
     config_cls = DAGConfig
 
     def extra_roles(self, config: DAGConfig) -> dict:
-        settings = ({"algorithm": config.algorithm, "reward_fn": config.reward_fn},)
+        settings = ({"algorithm": config.algorithm, "reward_fn": config.reward_fn,
+                     "tokenizer": config.actor.strategy.tokenizer},)
         return {f"compute_{i}": (ComputeWorker, config.dag.compute, settings)
                 for i in range(config.dag.num_compute_workers)}
 
