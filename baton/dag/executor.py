@@ -169,9 +169,10 @@ class SingleControllerExecutor:
             data = result.data if node.output_mode != "add" else JoinedData.of(inputs, result.data)
             return data, {k: float(v) for k, v in result.metrics.items()}
         except Exception as error:  # the node's failure, reported with its traceback; the others carry on
-            where = (f"{error.cluster}[rank {error.rank}].{error.method} raised" if isinstance(error, WorkerError)
-                     else f"raised {type(error).__name__}")
-            return NodeFailure(node_id, f"{where}: {error}", traceback.format_exc())
+            if isinstance(error, WorkerError):  # the worker's own traceback says where
+                return NodeFailure(node_id, f"worker {error.cluster}[rank {error.rank}] {error.what} in "
+                                            f"{error.method}()", error.remote_traceback)
+            return NodeFailure(node_id, f"raised {type(error).__name__}: {error}", traceback.format_exc())
         finally:
             with self._lock:
                 self.events.append((node_id, "end", time.monotonic()))

@@ -1,0 +1,155 @@
+"""The single-controller executor on both backends: data by reference, parallel branches, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from baton import Cluster
+from baton.dag import DAGExecutionError, NodeOutput, NodeStatus, SingleControllerExecutor, Workflow, node_function
+from baton.dag.compute import ComputeWorker
+from baton.dag.executor import compute_slots
+from baton.data import DataProto
+from baton.distributed import DataProtoFuture, JoinedData, WorkerConfig, WorkerSpec
+from baton.distributed.future import RenamedData
+
+HERE = "test_dag_executor"  # tests/ is on the workers' PYTHONPATH (conftest)
+
+
+@node_function(writes=["x", "uid"])
+def load(ctx, batch):
+    return NodeOutput(DataProto.from_dict({"x": torch.arange(8, dtype=torch.float32)}, {"uid": list(range(8))}))
+
+
+@node_function(reads=["x"], writes=["double"])
+def double(batch: DataProto, config: dict):
+    return DataProto.from_dict({"double": batch.batch["x"] * 2})
+
+
+@node_function(reads=["x"], writes=lambda config: [config["column"]])
+def timed(batch: DataProto, config: dict):
+    """Sleeps, then writes x + 1 into its column; its start and end (worker clock) as metrics."""
+    start = time.time()
+    time.sleep(config["sleep_s"])
+    return DataProto.from_dict({config["column"]: batch.batch["x"] + 1}), {
+        f"{config['column']}/start": start, f"{config['column']}/end": time.time()}
+
+
+@node_function(reads=["a", "b", "double"])
+def total(batch: DataProto, config: dict):
+    return DataProto(), {"total": float((batch.batch["a"] + batch.batch["b"] + batch.batch["double"]).sum())}
+
+
+@node_function(reads=["x"], writes=lambda config: [config["column"]])
+def fails(batch: DataProto, config: dict):
+    raise ValueError("the node's own bug")
+
+
+@node_function(reads=["x"], writes=lambda config: [config["column"]])
+def dies(batch: DataProto, config: dict):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def compute_clusters(manager, n):
+    return [Cluster(WorkerSpec(ComputeWorker, ({},)), WorkerConfig(f"compute_{i}", world_size=1, num_devices_per_worker=0,
+                                                                   num_cpus_per_worker=0.5), manager)
+            for i in range(n)]
+
+
+def branches(second=f"{HERE}:timed", sleep_s=0.0):
+    """load → {a, b} (two compute nodes at the same time) → total, with double beside them."""
+    return (Workflow("branches").add_node("data", "data_load", executable=load)
+            .add_node("double", "compute", dependencies=["data"], executable=f"{HERE}:double")
+            .add_node("a", "compute", dependencies=["data"], executable=f"{HERE}:timed",
+                      config={"column": "a", "sleep_s": sleep_s})
+            .add_node("b", "compute", dependencies=["data"], executable=second,
+                      config={"column": "b", "sleep_s": sleep_s})
+            .add_node("total", "compute", dependencies=["a", "b", "double"], executable=f"{HERE}:total").build())
+
+
+def test_compute_slots_give_parallel_nodes_different_workers():
+    graph = branches()
+    assert compute_slots(graph, 3) == {"double": 0, "a": 1, "b": 2, "total": 0}
+    assert compute_slots(graph, 2) == {"double": 0, "a": 1, "b": 0, "total": 0}
+
+
+def test_a_step_merges_the_branches_and_sets_every_status(make_manager, backend):
+    manager = make_manager(backend, num_devices_per_node=1)
+    graph = branches()
+    executor = SingleControllerExecutor(graph, pipeline=None, compute=compute_clusters(manager, 2),
+                                        parallel=backend == "ray")
+    metrics = executor.run_step(1)
+    x = torch.arange(8, dtype=torch.float32)
+    assert metrics["total"] == float((2 * (x + 1) + 2 * x).sum())
+    assert {n.status for n in graph.nodes.values()} == {NodeStatus.COMPLETED}
+    executor.run_step(2)  # statuses reset each step
+    assert {n.status for n in graph.nodes.values()} == {NodeStatus.COMPLETED}
+
+
+@pytest.mark.ray
+def test_on_ray_the_driver_never_fetches_a_nodes_data(make_manager, monkeypatch):
+    manager = make_manager("ray", num_devices_per_node=1)
+    executor = SingleControllerExecutor(branches(), pipeline=None, compute=compute_clusters(manager, 2))
+
+    def refuse(self, timeout_s=None):
+        raise AssertionError(f"the driver fetched {type(self).__name__} data")
+
+    for cls in (DataProtoFuture, JoinedData, RenamedData):
+        monkeypatch.setattr(cls, "get", refuse)  # in this (the driver's) process only; workers fetch as usual
+    assert executor.run_step(1)["total"] > 0
+
+
+@pytest.mark.ray
+def test_parallel_branches_run_at_the_same_time_on_their_workers(make_manager):
+    manager = make_manager("ray", num_devices_per_node=1)
+    executor = SingleControllerExecutor(branches(sleep_s=1.0), pipeline=None, compute=compute_clusters(manager, 2))
+    metrics = executor.run_step(1)
+    # Observed on the workers' clocks: each branch started before the other ended.
+    assert metrics["a/start"] < metrics["b/end"] and metrics["b/start"] < metrics["a/end"]
+
+
+def test_a_failing_node_fails_its_dependants_and_names_node_rank_and_traceback(make_manager, backend):
+    manager = make_manager(backend, num_devices_per_node=1)
+    graph = branches(second=f"{HERE}:fails")
+    executor = SingleControllerExecutor(graph, pipeline=None, compute=compute_clusters(manager, 2),
+                                        parallel=backend == "ray")
+    with pytest.raises(DAGExecutionError) as caught:
+        executor.run_step(3)
+    status = {i: n.status for i, n in graph.nodes.items()}
+    assert status == {"data": NodeStatus.COMPLETED, "double": NodeStatus.COMPLETED, "a": NodeStatus.COMPLETED,
+                      "b": NodeStatus.FAILED, "total": NodeStatus.SKIPPED}
+    message = str(caught.value)
+    assert "workflow 'branches' step 3: 1 node(s) FAILED; skipped downstream: total" in message
+    assert "node 'b': worker compute_0[rank 0] raised in run_node()" in message
+    assert "the node's own bug" in message and ", in fails" in message  # the worker's traceback
+    assert [f.node_id for f in caught.value.failures] == ["b"] and caught.value.skipped == ["total"]
+
+
+@pytest.mark.ray
+def test_a_killed_worker_fails_the_step_within_seconds(make_manager):
+    manager = make_manager("ray", num_devices_per_node=1)
+    clusters = [Cluster(WorkerSpec(ComputeWorker, ({},)), WorkerConfig(
+        f"compute_{i}", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=0.5, health_check_interval_s=0.5,
+        heartbeat_timeout_s=5.0), manager) for i in range(2)]
+    graph = branches(second=f"{HERE}:dies")
+    executor = SingleControllerExecutor(graph, pipeline=None, compute=clusters)
+    start = time.monotonic()
+    with pytest.raises(DAGExecutionError, match=r"node 'b': worker compute_0\[rank 0\] died in run_node\(\)"):
+        executor.run_step(1)
+    assert time.monotonic() - start < 60  # bounded by the health checks, not the 1-hour node timeout
+    assert graph.nodes["b"].status == NodeStatus.FAILED and graph.nodes["total"].status == NodeStatus.SKIPPED
+
+
+def test_a_controller_node_that_returns_the_wrong_type_is_named(make_manager):
+    def wrong(ctx, batch):
+        return {"not": "a NodeOutput"}
+
+    graph = (Workflow("w").add_node("data", "data_load", executable=load)
+             .add_node("bad", "custom", dependencies=["data"], executable=wrong).build())
+    executor = SingleControllerExecutor(graph, pipeline=None, compute=[], parallel=False)
+    with pytest.raises(DAGExecutionError, match="returned dict; a custom node's function returns a baton.dag.NodeOutput"):
+        executor.run_step(1)
