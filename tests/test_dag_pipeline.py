@@ -1,0 +1,132 @@
+"""DAGPipeline: RLVR run as a workflow graph trains as RLVRPipeline does; its examples, checks and `baton dag plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import yaml
+
+from baton.cli import main as cli_main
+from baton.cli import resolve
+from baton.config import ConfigError
+from baton.pipelines.base import run_pipeline as run
+from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
+from baton.pipelines.dag import DAGConfig, DAGPipeline
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.strategy import StrategyConfig
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def tiny(cls, run_dir, backend="local", colocate=True, **fields):
+    role = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"))
+    trainer = TrainerConfig(backend=backend, run_dir=str(run_dir), num_prompts_per_step=4, num_steps=3,
+                            val_every_steps=3, save_every_steps=3, progress_bar=False)
+    return cls(actor=role, rollout=role, colocate_actor_rollout=colocate,
+               data=DataConfig(max_operand=9, num_val_examples=8),
+               sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
+               val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
+               trainer=trainer, **fields)
+
+
+def records(run_dir) -> list[dict]:
+    """Every metrics record without its wall-clock figures."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s/", "perf/throughput"))}
+            for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+PPO = dict(critic=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", kind="value")),
+           algorithm=AlgorithmConfig(adv_estimator="gae", use_kl_loss=True, num_mini_batches_per_step=2))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_kl", "ppo"])
+def test_the_workflow_gives_rlvr_pipelines_metrics_exactly_on_the_local_backend(tmp_path, algorithm):
+    fields = {"grpo": {}, "grpo_kl": {"algorithm": AlgorithmConfig(adv_estimator="grpo", use_kl_loss=True)},
+              "ppo": PPO}[algorithm]
+    run(RLVRPipeline, tiny(RLVRConfig, tmp_path / "loop", **fields))
+    run(DAGPipeline, tiny(DAGConfig, tmp_path / "dag", **fields))
+    loop, dag = records(tmp_path / "loop"), records(tmp_path / "dag")
+    assert [r["step"] for r in dag] == [0, 1, 2, 3]
+    for a, b in zip(loop, dag):
+        assert a == b  # every metric, bit for bit, at every step
+    assert "actor/pg_loss" in dag[-1] and "val/accuracy" in dag[-1]
+    if algorithm == "ppo":
+        assert "critic/vf_loss" in dag[-1] and "actor/kl" in dag[-1]
+
+
+@pytest.mark.ray
+def test_on_ray_with_actor_and_rollout_apart_it_matches_the_loop(tmp_path, ray_cluster):
+    loop = run(RLVRPipeline, tiny(RLVRConfig, tmp_path / "loop", backend="ray", colocate=False))
+    dag = run(DAGPipeline, tiny(DAGConfig, tmp_path / "dag", backend="ray", colocate=False))
+    for a, b in zip(records(tmp_path / "loop"), records(tmp_path / "dag")):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a), a["step"]
+    assert dag["final_val_accuracy"] == pytest.approx(loop["final_val_accuracy"])
+    timings = json.loads(open(tmp_path / "dag" / "metrics.jsonl").readlines()[-1])
+    assert timings["timing_s/node/rollout"] > 0 and timings["timing_s/node/actor_train"] > 0
+
+
+def test_the_two_reward_branches_merge_into_the_score(tmp_path):
+    _, demo = resolve(os.path.join(EXAMPLES, "dag_branches.yaml"), [])
+    config = dataclasses.replace(tiny(DAGConfig, tmp_path), workflow=demo.rlvr.workflow,
+                                 dag=demo.rlvr.dag)
+    run(DAGPipeline, config)
+    last = records(tmp_path)[-1]
+    assert last["critic/score/mean"] == pytest.approx(0.9 * last["reward/correct/mean"]
+                                                      + 0.1 * last["reward/integer/mean"], abs=1e-6)
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ(tmp_path):
+    _, demo = resolve(os.path.join(EXAMPLES, "dag_dapo.yaml"), [])
+    config = dataclasses.replace(tiny(DAGConfig, tmp_path), workflow=demo.rlvr.workflow)
+    run(DAGPipeline, config)
+    for record in records(tmp_path)[1:]:
+        kept, dropped = record["dynamic_sampling/kept_groups"], record["dynamic_sampling/dropped_groups"]
+        assert kept + dropped == 4  # the step's prompts
+        if kept:  # the trained batch holds only groups whose rewards differ
+            assert record["critic/frac_reward_zero_std"] == 0.0
+
+
+def test_a_workflow_missing_what_the_algorithm_needs_is_refused_before_training(tmp_path):
+    _, demo = resolve(os.path.join(EXAMPLES, "dag_grpo.yaml"), [])
+    config = tiny(DAGConfig, tmp_path, workflow=demo.rlvr.workflow,
+                  algorithm=AlgorithmConfig(adv_estimator="grpo", use_kl_loss=True))
+    with pytest.raises(ConfigError, match="needs 'ref_log_probs' and no node writes it; add the node "
+                                          r"\(e.g. baton.dag.nodes:ref_log_probs\)"):
+        DAGPipeline(config)
+
+
+def test_workflow_errors_are_config_errors_before_any_worker_starts(tmp_path):
+    with pytest.raises(ConfigError, match="workflow: .*missing.yaml does not exist"):
+        tiny(DAGConfig, tmp_path, workflow=str(tmp_path / "missing.yaml")).check()
+    bad = {"dag_id": "bad", "nodes": [{"node_id": "data", "node_type": "data_load",
+                                       "executable_ref": "baton.dag.nodes:load_prompts"},
+                                      {"node_id": "train", "node_type": "model_train", "node_role": "rollout",
+                                       "dependencies": ["data"], "executable_ref": "baton.dag.nodes:train_actor"}]}
+    with pytest.raises(ConfigError, match="workflow: node 'train' .*cannot have role rollout"):
+        tiny(DAGConfig, tmp_path, workflow=bad).check()
+
+
+def test_a_workflow_file_beside_the_config_is_found(tmp_path, monkeypatch):
+    _, demo = resolve(os.path.join(EXAMPLES, "dag_grpo.yaml"), [])
+    (tmp_path / "flow.yaml").write_text(yaml.safe_dump(demo.rlvr.workflow))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"pipeline_cls": "baton.pipelines.dag:DAGPipeline",
+                                                       "workflow": "flow.yaml"}))
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))  # not the config's directory
+    _, config = resolve(str(tmp_path / "run.yaml"), [])
+    assert config.graph().graph_id == "grpo"
+
+
+def test_dag_plan_prints_the_table_and_draws_the_graph(tmp_path, capsys):
+    png = tmp_path / "ppo.png"
+    assert cli_main(["dag", "plan", os.path.join(EXAMPLES, "dag_ppo.yaml"), "--nodes", "2", "--slots-per-node", "4",
+                     "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "sg1      | 4-6   | 1             | critic_train" in out  # the two updates on disjoint workers
+    assert "actor_train -> sync" in out and "(values, critic_train)" not in out
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert cli_main(["dag", "plan", os.path.join(EXAMPLES, "dag_ppo.yaml"), "--png", str(png)]) == 2  # not overwritten
+    assert "exists" in capsys.readouterr().err
