@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import time
 
 import pytest
 import yaml
@@ -14,7 +16,9 @@ from baton.cli import resolve
 from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline as run
 from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
-from baton.pipelines.dag import DAGConfig, DAGPipeline
+from baton.dag import DAGExecutionError, NodeStatus, node_function
+from baton.distributed import WorkerError
+from baton.pipelines.dag import DAGConfig, DAGPipeline, DAGSettings
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.strategy import StrategyConfig
 
@@ -130,3 +134,91 @@ def test_dag_plan_prints_the_table_and_draws_the_graph(tmp_path, capsys):
     assert png.read_bytes().startswith(b"\x89PNG")
     assert cli_main(["dag", "plan", os.path.join(EXAMPLES, "dag_ppo.yaml"), "--png", str(png)]) == 2  # not overwritten
     assert "exists" in capsys.readouterr().err
+
+
+# --- the multi-controller executor ----------------------------------------------------------------------------
+
+MULTI = DAGSettings(executor="multi_controller")
+
+
+def fsdp2_pair(cls, run_dir, **fields):
+    """Actor (fsdp2) and rollout (hf) colocated on two slots: two DAG workers (multi-controller)."""
+    config = tiny(cls, run_dir, backend="ray", **fields)
+    actor = dataclasses.replace(config.actor, world_size=2, strategy=dataclasses.replace(config.actor.strategy,
+                                                                                         name="fsdp2"))
+    rollout = dataclasses.replace(config.rollout, world_size=2)
+    return dataclasses.replace(config, actor=actor, rollout=rollout,
+                               trainer=dataclasses.replace(config.trainer, num_nodes=1))
+
+
+def test_the_multi_controller_gives_the_loops_metrics_on_one_rank(tmp_path):
+    run(RLVRPipeline, tiny(RLVRConfig, tmp_path / "loop"))
+    run(DAGPipeline, tiny(DAGConfig, tmp_path / "dag", dag=MULTI))
+    assert records(tmp_path / "loop") == records(tmp_path / "dag")
+
+
+@pytest.mark.ray
+def test_two_dag_workers_train_as_the_single_controller_does(tmp_path, ray_cluster):
+    run(RLVRPipeline, fsdp2_pair(RLVRConfig, tmp_path / "loop"))
+    run(DAGPipeline, fsdp2_pair(DAGConfig, tmp_path / "dag", dag=MULTI))
+    loop, dag = records(tmp_path / "loop"), records(tmp_path / "dag")
+    assert [r["step"] for r in dag] == [0, 1, 2, 3]
+    for a, b in zip(loop, dag):
+        assert a.keys() == b.keys(), a["step"]
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.ray
+def test_a_node_failing_on_the_dag_workers_names_node_rank_and_traceback(tmp_path, ray_cluster):
+    _, demo = resolve(os.path.join(EXAMPLES, "dag_grpo.yaml"), [])
+    workflow = json.loads(json.dumps(demo.rlvr.workflow))
+    advantage = next(n for n in workflow["nodes"] if n["node_id"] == "advantage")
+    advantage["executable_ref"] = "test_dag_pipeline:broken_advantage"
+    config = fsdp2_pair(DAGConfig, tmp_path, dag=MULTI, workflow=workflow)
+    pipeline = DAGPipeline(config)
+    try:
+        with pytest.raises(DAGExecutionError) as caught:
+            pipeline.executor.run_step(1)
+        message = str(caught.value)
+        assert "node 'advantage': rank 0 raised ValueError: advantage broke on rank 0" in message
+        assert ", in broken_advantage" in message  # the worker's traceback
+        status = {i: n.status for i, n in pipeline.graph.nodes.items()}
+        assert status["reward"] == NodeStatus.COMPLETED and status["advantage"] == NodeStatus.FAILED
+        assert {status[i] for i in ("metrics", "actor_train", "sync")} == {NodeStatus.SKIPPED}
+    finally:
+        pipeline.shutdown()
+
+
+@node_function(reads=["token_level_scores", "response_mask", "uid"], writes=["token_level_rewards", "advantages",
+                                                                              "returns"])
+def broken_advantage(batch, config):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # one rank fails, the other would go on into the update's collectives
+        raise ValueError("advantage broke on rank 0")
+    from baton.dag.nodes import compute_advantage
+
+    return compute_advantage(batch, config)
+
+
+@pytest.mark.ray
+def test_a_killed_dag_worker_stops_the_step_within_seconds(tmp_path, ray_cluster):
+    import threading
+
+    import ray
+
+    config = fsdp2_pair(DAGConfig, tmp_path, dag=MULTI)
+    config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, health_check_interval_s=0.5,
+                                                                   heartbeat_timeout_s=5.0))
+    pipeline = DAGPipeline(config)
+    try:
+        pid = ray.get(pipeline.clusters["dag"]._group.hosts[1].pid.remote())
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()  # rank 1, during the steps below
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 1\] died"):
+            for step in range(1, 50):  # a tiny step may finish before the kill lands: the next one meets it
+                pipeline.executor.run_step(step)
+        assert time.monotonic() - start < 60  # the health checks' bound, not a collective's 30-minute timeout
+    finally:
+        pipeline.shutdown()

@@ -112,7 +112,7 @@ def sync_weights(ctx: NodeContext, batch) -> NodeOutput:
     """The actor's weights to the rollout, every `trainer.sync_every_steps` steps."""
     if ctx.step % ctx.pipeline.config.trainer.sync_every_steps == 0:
         with ctx.pipeline.timer("sync"):
-            ctx.pipeline.update_pairs[0].sync()
+            ctx.pipeline.sync_weights()
     return NodeOutput()
 
 

@@ -237,7 +237,7 @@ class RenamedData:
     names: dict[str, str]
 
     def get(self, timeout_s: float | None = None) -> DataProto:
-        data = self.source.get(timeout_s)
+        data = self.source if isinstance(self.source, DataProto) else self.source.get(timeout_s)
         return DataProto({new: data.batch[old] for old, new in self.names.items()}, {}, {})
 
     def __len__(self) -> int:

@@ -14,23 +14,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton.algorithms import estimator_needs
 from baton.config.loader import ConfigError
 from baton.dag.compute import ComputeWorker
 from baton.dag.executor import SingleControllerExecutor
 from baton.dag.graph import TaskGraph, Workflow, WorkflowError
 from baton.dag.loader import load_workflow
+from baton.dag.multi import DAGWorker, MultiControllerExecutor
+from baton.dag.scheduler import split_subgraphs
 from baton.pipelines.config import RLVRConfig, WorkerSettings
 from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
 from baton.pipelines.rlvr import RLVRPipeline
 
 NODES = "baton.dag.nodes"
+EXECUTORS = ("single_controller", "multi_controller")
 
 
 @dataclass
 class DAGSettings:
     """How the workflow runs.
 
-    executor: "single_controller" (the driver walks the graph; data passed by reference).
+    executor: "single_controller" (the driver walks the graph; data passed by reference) or "multi_controller"
+        (one DAG worker per actor slot walks it on its own rows; see `baton.dag.multi`).
     num_compute_workers: processes for COMPUTE nodes; compute nodes that may run at the same time go to
         different ones (up to this many).
     compute: those workers' CPUs and limits.
@@ -56,12 +61,13 @@ class DAGConfig(RLVRConfig):
 
     def check(self) -> None:
         super().check()
-        if self.dag.executor != "single_controller":
-            raise ConfigError(f"dag.executor {self.dag.executor!r}: the executor built is 'single_controller'")
+        if self.dag.executor not in EXECUTORS:
+            raise ConfigError(f"dag.executor {self.dag.executor!r} is not one of {', '.join(EXECUTORS)}")
+        if self.dag.executor == "multi_controller" and not self.colocate_actor_rollout:
+            raise ConfigError("dag.executor multi_controller runs every role of a rank in its DAG worker's process; "
+                              "set colocate_actor_rollout: true")
         if self.dag.num_compute_workers < 1:
             raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
-        from baton.algorithms import estimator_needs
-
         if estimator_needs(self.algorithm.adv_estimator).baseline_rollout:
             raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
                               "rollout, which the shipped workflow nodes do not generate; use grpo, rloo, gae, ...")
@@ -69,9 +75,17 @@ class DAGConfig(RLVRConfig):
             raise ConfigError("algorithm.kl_ctrl.type 'adaptive' is not run by the workflow's advantage node (its "
                               "coefficient is fixed); use kl_ctrl.type fixed, or RLVRPipeline")
         try:
-            self.graph()  # every workflow error before any worker starts
+            graph = self.graph()  # every workflow error before any worker starts
         except (WorkflowError, FileNotFoundError) as error:
             raise ConfigError(f"workflow: {error}") from error
+        if self.dag.executor == "multi_controller":
+            subgraphs = split_subgraphs(graph)
+            if len(subgraphs) > 1:
+                raise ConfigError(
+                    f"workflow {graph.graph_id!r} splits into {len(subgraphs)} subgraphs ("
+                    + "; ".join(", ".join(s.node_ids) for s in subgraphs) + "): the multi-controller executor runs "
+                    "workflows that stay one subgraph (it has no data buffer between subgraphs yet); use "
+                    "dag.executor: single_controller")
 
     def graph(self) -> TaskGraph:
         if self.workflow is None:
@@ -121,25 +135,40 @@ class DAGPipeline(RLVRPipeline):
     config_cls = DAGConfig
 
     def extra_roles(self, config: DAGConfig) -> dict:
+        """The graph's workers: a DAG worker fused into every actor slot (multi-controller), or the compute
+        workers (single controller)."""
+        self.graph = config.graph()
+        for node in self.graph.nodes.values():
+            if node.executable == f"{NODES}:rollout_metrics":  # a group estimator: the share of flat groups
+                node.config.setdefault("groups", estimator_needs(config.algorithm.adv_estimator).groups)
+        if config.dag.executor == "multi_controller":
+            return {"dag": (DAGWorker, config.actor, (self.graph, config))}
         settings = ({"algorithm": config.algorithm, "reward_fn": config.reward_fn,
                      "tokenizer": config.actor.strategy.tokenizer},)
         return {f"compute_{i}": (ComputeWorker, config.dag.compute, settings)
                 for i in range(config.dag.num_compute_workers)}
+
+    def fused_roles(self, config: DAGConfig, roles: dict) -> dict | None:
+        if config.dag.executor == "multi_controller":  # every role of a rank in its DAG worker's process
+            return {"policy": ["actor", "rollout", *(r for r in roles if r not in ("actor", "rollout", "dag")), "dag"]}
+        return super().fused_roles(config, roles)
 
     def __init__(self, config: DAGConfig):
         super().__init__(config)
         if self.resident:
             raise ConfigError("trainer.offload_idle_roles: roles taking turns on shared devices are not scheduled by "
                               "the workflow executor yet; set trainer.offload_idle_roles: false, or run RLVRPipeline")
-        self.graph = config.graph()
         self._check_needs()
-        compute = [self.clusters[f"compute_{i}"] for i in range(config.dag.num_compute_workers)]
-        groups = self.signal_watch is not None
-        for node in self.graph.nodes.values():
-            if node.executable == f"{NODES}:rollout_metrics":
-                node.config.setdefault("groups", groups)
-        self.executor = SingleControllerExecutor(self.graph, self, compute, parallel=self.manager.backend != "local",
-                                                 node_timeout_s=config.dag.node_timeout_s)
+        if config.dag.executor == "multi_controller":
+            self.executor = MultiControllerExecutor(self.graph, self, self.clusters["dag"])
+        else:
+            compute = [self.clusters[f"compute_{i}"] for i in range(config.dag.num_compute_workers)]
+            self.executor = SingleControllerExecutor(self.graph, self, compute,
+                                                     parallel=self.manager.backend != "local",
+                                                     node_timeout_s=config.dag.node_timeout_s)
+
+    def sync_weights(self) -> None:
+        self.update_pairs[0].sync()
 
     def _check_needs(self) -> None:
         """The columns the configured algorithm trains on are written by some node of the workflow."""
@@ -169,9 +198,10 @@ class DAGPipeline(RLVRPipeline):
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 
     def node_timings(self) -> dict[str, float]:
-        """`timing_s/node/<id>`: each node's run time in the last step (issue to completion)."""
-        times: dict[str, float] = {}
-        for node_id, kind, t in self.executor.events:
+        """`timing_s/node/<id>`: each node's run time in the last step (issue to completion; multi-controller: the
+        slowest rank's)."""
+        times: dict[str, float] = dict(getattr(self.executor, "times_s", {}))
+        for node_id, kind, t in getattr(self.executor, "events", []):
             times[node_id] = times.get(node_id, 0.0) + (t if kind == "end" else -t)
         return {f"timing_s/node/{node_id}": seconds for node_id, seconds in times.items()}
 

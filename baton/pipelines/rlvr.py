@@ -50,7 +50,7 @@ class RLVRPipeline(Pipeline):
         if needs.critic:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
         roles.update(self.extra_roles(config))
-        clusters = self.create_clusters(roles, fused=FUSED_POLICY if config.colocate_actor_rollout else None)
+        clusters = self.create_clusters(roles, fused=self.fused_roles(config, roles))
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.reference, self.critic = clusters.get("reference"), clusters.get("critic")
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
@@ -67,6 +67,10 @@ class RLVRPipeline(Pipeline):
     def extra_roles(self, config: RLVRConfig) -> dict:
         """Further clusters to start with the loop's (name → (worker class, settings, constructor args)); none."""
         return {}
+
+    def fused_roles(self, config: RLVRConfig, roles: dict) -> dict | None:
+        """Roles that share one process per slot: the actor and rollout when colocated."""
+        return FUSED_POLICY if config.colocate_actor_rollout else None
 
     def build_algorithm(self, config: RLVRConfig, stale: bool) -> None:
         """The losses, the KL controller, the signal watch and the baseline sampling of `config.algorithm`, and
