@@ -216,7 +216,7 @@ def test_a_killed_dag_worker_stops_the_step_within_seconds(tmp_path, ray_cluster
         pid = ray.get(pipeline.clusters["dag"]._group.hosts[1].pid.remote())
         threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()  # rank 1, during the steps below
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"rank 1\] died"):
+        with pytest.raises(WorkerError, match=r"rank 1\] (died|froze)"):
             for step in range(1, 50):  # a tiny step may finish before the kill lands: the next one meets it
                 pipeline.executor.run_step(step)
         assert time.monotonic() - start < 60  # the health checks' bound, not a collective's 30-minute timeout

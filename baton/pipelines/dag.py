@@ -9,7 +9,6 @@ give the same metrics; a workflow can add, remove and branch nodes.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from baton.dag.loader import load_workflow
 from baton.dag.multi import DAGWorker, MultiControllerExecutor
 from baton.dag.scheduler import split_subgraphs
 from baton.pipelines.config import RLVRConfig, WorkerSettings
-from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
+from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.rlvr import RLVRPipeline
 
 NODES = "baton.dag.nodes"
@@ -210,8 +209,7 @@ _WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "
 
 
 def _demo_dag_default() -> DAGConfig:
-    base = _rlvr_default()
-    return DAGConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(RLVRConfig) if f.name != "pipeline_cls"})
+    return demo_rlvr_as(DAGConfig)
 
 
 @dataclass

@@ -60,6 +60,14 @@ def _rlvr_default() -> RLVRConfig:
     )
 
 
+def demo_rlvr_as(config_cls, drop: tuple[str, ...] = (), **changes):
+    """The demo's RLVR stage as a `config_cls` (a subclass of RLVRConfig): its settings but `pipeline_cls` and the
+    fields in `drop`, with `changes`."""
+    base = _rlvr_default()
+    kept = {f.name: getattr(base, f.name) for f in dataclasses.fields(RLVRConfig) if f.name not in ("pipeline_cls", *drop)}
+    return config_cls(**{**kept, **changes})
+
+
 @dataclass
 class DemoConfig:
     """SFT then RLVR; the RLVR stage's actor, rollout, reference and critic start from the SFT stage's final checkpoint.

@@ -23,7 +23,7 @@ from baton.datasets import PromptDataset
 from baton.pipelines.base import Pipeline, cluster_devices, on_gpus
 from baton.pipelines.config import RLVRConfig, RoleConfig
 from baton.pipelines.data import load_prompt_file
-from baton.pipelines.demo import DemoConfig, DemoPipeline, _rlvr_default
+from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.losses import SFTLoss
 from baton.pipelines.policy import probe_tolerance
 from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
@@ -283,9 +283,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
 
 def _demo_rlvr_default() -> RolloutRLVRConfig:
     """The demo's GRPO stage on the rollout system: its settings, with the engines in workers of their own."""
-    base = _rlvr_default()
-    kept = {f.name: getattr(base, f.name) for f in dataclasses.fields(RLVRConfig) if f.name not in ("pipeline_cls", "reward")}
-    return RolloutRLVRConfig(**{**kept, "colocate_actor_rollout": False})
+    return demo_rlvr_as(RolloutRLVRConfig, drop=("reward",), colocate_actor_rollout=False)
 
 
 @dataclass
