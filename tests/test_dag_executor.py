@@ -54,10 +54,23 @@ def dies(batch: DataProto, config: dict):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def compute_clusters(manager, n):
-    return [Cluster(WorkerSpec(ComputeWorker, ({},)), WorkerConfig(f"compute_{i}", world_size=1, num_devices_per_worker=0,
-                                                                   num_cpus_per_worker=0.5), manager)
-            for i in range(n)]
+_MADE: list[Cluster] = []
+
+
+@pytest.fixture(autouse=True)
+def shut_down_clusters(make_manager):
+    """Every cluster a test made is stopped after it (the manager's shutdown frees their slots only)."""
+    yield
+    while _MADE:
+        _MADE.pop().shutdown()
+
+
+def compute_clusters(manager, n, **settings):
+    clusters = [Cluster(WorkerSpec(ComputeWorker, ({},)), WorkerConfig(
+        f"compute_{i}", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=0.5, **settings), manager)
+        for i in range(n)]
+    _MADE.extend(clusters)
+    return clusters
 
 
 def branches(second=f"{HERE}:timed", sleep_s=0.0):
@@ -132,9 +145,7 @@ def test_a_failing_node_fails_its_dependants_and_names_node_rank_and_traceback(m
 @pytest.mark.ray
 def test_a_killed_worker_fails_the_step_within_seconds(make_manager):
     manager = make_manager("ray", num_devices_per_node=1)
-    clusters = [Cluster(WorkerSpec(ComputeWorker, ({},)), WorkerConfig(
-        f"compute_{i}", world_size=1, num_devices_per_worker=0, num_cpus_per_worker=0.5, health_check_interval_s=0.5,
-        heartbeat_timeout_s=5.0), manager) for i in range(2)]
+    clusters = compute_clusters(manager, 2, health_check_interval_s=0.5, heartbeat_timeout_s=5.0)
     graph = branches(second=f"{HERE}:dies")
     executor = SingleControllerExecutor(graph, pipeline=None, compute=clusters)
     start = time.monotonic()
