@@ -2,7 +2,7 @@
 
 A node runs once every dependency has COMPLETED (READY → RUNNING → COMPLETED). Its input is its dependencies'
 outputs joined (`JoinedData`: references to the shards where the workers keep them); a model node issues its
-cluster call without waiting for data (`Cluster.submit`) and is COMPLETED when the call has finished, which the
+cluster call without waiting for data (`Cluster.call_async`) and is COMPLETED when the call has finished, which the
 driver learns from the row counts alone. COMPUTE nodes run on a `ComputeWorker`. Independent branches run at
 the same time (each ready node in a thread of its own) on the Ray backend; on the local backend, where every
 worker shares the driver's process, nodes run one at a time in topological order, so a step is deterministic.

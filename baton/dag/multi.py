@@ -40,7 +40,7 @@ class LocalRole:
     def __init__(self, worker: Worker):
         self.worker = worker
 
-    def submit(self, method: str, *args, **kwargs):
+    def call_async(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
 
     def train_step(self, batch: DataProto, loss_fn, loss_unit: str = "token") -> list[dict]:

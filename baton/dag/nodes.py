@@ -34,13 +34,13 @@ def load_prompts(ctx: NodeContext, batch) -> NodeOutput:
 def generate(ctx: NodeContext, batch) -> NodeOutput:
     """`sampling.num_samples_per_prompt` responses per prompt from the rollout cluster (the prompts' columns
     repeated per sample)."""
-    return NodeOutput(ctx.pipeline.rollout.submit("generate", batch, ctx.pipeline.config.sampling.params()))
+    return NodeOutput(ctx.pipeline.rollout.call_async("generate", batch, ctx.pipeline.config.sampling.params()))
 
 
 @node_function(reads=["responses", "response_mask", "ground_truth"], writes=REWARD_COLUMNS)
 def compute_reward(ctx: NodeContext, batch) -> NodeOutput:
     """`scores`, `token_level_scores` (and `reward_extra/*`) from the reward cluster, overlong penalty included."""
-    return NodeOutput(ctx.pipeline.reward.submit("compute_rewards", batch, apply_overlong_penalty=True))
+    return NodeOutput(ctx.pipeline.reward.call_async("compute_rewards", batch, apply_overlong_penalty=True))
 
 
 @node_function(reads=["input_ids", "attention_mask", "responses", "response_mask"], writes=["old_log_probs"])
@@ -50,7 +50,7 @@ def old_log_probs(ctx: NodeContext, batch) -> NodeOutput:
     this node then adds nothing (as `RLVRPipeline`)."""
     if not ctx.pipeline.needs_old_log_probs:
         return NodeOutput()
-    return NodeOutput(RenamedData(ctx.pipeline.actor.submit("compute_log_probs", batch), {"log_probs": "old_log_probs"}))
+    return NodeOutput(RenamedData(ctx.pipeline.actor.call_async("compute_log_probs", batch), {"log_probs": "old_log_probs"}))
 
 
 @node_function(reads=["input_ids", "attention_mask", "responses", "response_mask"], writes=["ref_log_probs"])
@@ -59,7 +59,7 @@ def ref_log_probs(ctx: NodeContext, batch) -> NodeOutput:
     if ctx.pipeline.reference is None:
         raise WorkflowError(f"{ctx.node.where} needs a reference model and the config has none; set "
                             "algorithm.use_kl_loss or use_kl_in_reward (or `reference`), or remove the node")
-    return NodeOutput(RenamedData(ctx.pipeline.reference.submit("compute_log_probs", batch), {"log_probs": "ref_log_probs"}))
+    return NodeOutput(RenamedData(ctx.pipeline.reference.call_async("compute_log_probs", batch), {"log_probs": "ref_log_probs"}))
 
 
 @node_function(reads=["input_ids", "attention_mask", "responses", "response_mask"], writes=["values"])
@@ -69,7 +69,7 @@ def critic_values(ctx: NodeContext, batch) -> NodeOutput:
         raise WorkflowError(f"{ctx.node.where} needs a critic and the config's estimator "
                             f"{ctx.pipeline.config.algorithm.adv_estimator!r} builds none; use adv_estimator gae, or "
                             "remove the node")
-    return NodeOutput(ctx.pipeline.critic.submit("compute_values", batch))
+    return NodeOutput(ctx.pipeline.critic.call_async("compute_values", batch))
 
 
 @node_function(reads=["token_level_scores", "response_mask", "uid"], writes=ADVANTAGE_COLUMNS)

@@ -282,7 +282,7 @@ class Cluster:
         for name, spec in registered_methods(self.worker_cls).items():
             setattr(self, name, self._make_method(name, spec))
 
-    def submit(self, method: str, *args, **kwargs) -> DataProtoFuture | CallFuture:
+    def call_async(self, method: str, *args, **kwargs) -> DataProtoFuture | CallFuture:
         """The registered `method` called without waiting: a `DataProtoFuture` for a method whose dispatch mode
         returns DataProto shards (another cluster's call takes it as is), else a `CallFuture`; `.get()` waits."""
         spec = registered_methods(self.worker_cls).get(method)
