@@ -223,3 +223,16 @@ def test_a_killed_dag_worker_stops_the_step_within_seconds(tmp_path, ray_cluster
         assert time.monotonic() - start < 60  # the health checks' bound, not a collective's 30-minute timeout
     finally:
         pipeline.shutdown()
+
+
+@pytest.mark.parametrize("name", ["dag_grpo.yaml", "dag_ppo.yaml", "dag_dapo.yaml", "dag_branches.yaml"])
+def test_each_dag_example_fits_a_two_core_local_ray(name):
+    """`baton run` on this machine gives Ray 2 CPUs: one for the policy's device slot, the rest for the reward and
+    compute workers (which failed to place before the demo's reward worker took half a CPU)."""
+    _, demo = resolve(os.path.join(EXAMPLES, name), [])
+    rlvr = demo.stage("rlvr")
+    cpu_only = (rlvr.reward.num_cpus_per_worker * (rlvr.reward.world_size or 1)
+                + rlvr.dag.compute.num_cpus_per_worker * rlvr.dag.num_compute_workers)
+    slots = {device for role in (rlvr.actor, rlvr.rollout, rlvr.reference, rlvr.critic) if role is not None
+             for device in (role.device_mapping or [0])}
+    assert len(slots) + cpu_only <= 2

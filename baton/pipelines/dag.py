@@ -9,6 +9,7 @@ give the same metrics; a workflow can add, remove and branch nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,7 +210,10 @@ _WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "
 
 
 def _demo_dag_default() -> DAGConfig:
-    return demo_rlvr_as(DAGConfig)
+    """The demo's GRPO stage as a workflow. Its reward worker takes half a CPU instead of one, so that with the
+    compute workers beside it the demo still fits a 2-core machine's local Ray (a CPU for the policy's slot)."""
+    demo = demo_rlvr_as(DAGConfig)
+    return dataclasses.replace(demo, reward=dataclasses.replace(demo.reward, num_cpus_per_worker=0.5))
 
 
 @dataclass
