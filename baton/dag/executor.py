@@ -20,8 +20,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from baton.dag.graph import Node, NodeStatus, NodeType, TaskGraph
 from baton.data import DataProto
 from baton.distributed import CallFuture, DataProtoFuture, JoinedData, WorkerError
@@ -95,6 +93,14 @@ class SingleControllerExecutor:
         self.order = graph.topological_order()
         self.events: list[tuple[str, str, float]] = []  # (node_id, "start" | "end", time.monotonic())
         self._lock = threading.Lock()
+
+    @property
+    def times_s(self) -> dict[str, float]:
+        """Each node's run time in the last step (issue to completion), from `events`."""
+        times: dict[str, float] = {}
+        for node_id, kind, t in self.events:
+            times[node_id] = times.get(node_id, 0.0) + (t if kind == "end" else -t)
+        return times
 
     def run_step(self, step: int) -> dict[str, float]:
         """One pass over the graph; returns the nodes' metrics (in topological order of the nodes)."""
@@ -225,10 +231,3 @@ def compute_slots(graph: TaskGraph, num_workers: int) -> dict[str, int]:
         taken = {slot for other, slot in slots.items() if other not in related}
         slots[node_id] = next(i for i in range(len(slots) + 1) if i not in taken) % num_workers
     return slots
-
-
-def overlap_s(events: list[tuple[str, str, float]], a: str, b: str) -> float:
-    """Seconds nodes `a` and `b` ran at the same time in a step's `events` (0 when they did not overlap)."""
-    span = {n: (min(t for m, k, t in events if m == n and k == "start"),
-                max(t for m, k, t in events if m == n and k == "end")) for n in (a, b)}
-    return float(np.clip(min(span[a][1], span[b][1]) - max(span[a][0], span[b][0]), 0.0, None))

@@ -8,6 +8,8 @@ workflow of them trains as that loop does (`examples/dag_grpo.yaml`).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from baton.dag.executor import NodeContext, NodeOutput
@@ -139,12 +141,10 @@ def score_with(batch: DataProto, config: dict):
     several (`weighted_sum`). Runs on a compute worker; decodes with the actor's tokenizer."""
     import torch
 
-    from baton.models import load_tokenizer
     from baton.rewards import get_reward_fn
 
     fn, kwargs = get_reward_fn(config["reward_fn"]), dict(config.get("kwargs") or {})
-    texts = _tokenizer(config["tokenizer"], load_tokenizer).batch_decode(batch.batch["responses"],
-                                                                         skip_special_tokens=True)
+    texts = _tokenizer(config["tokenizer"]).batch_decode(batch.batch["responses"], skip_special_tokens=True)
     truths = batch.non_tensor_batch["ground_truth"]
     scores = [float(fn(text, str(truth), **kwargs)) for text, truth in zip(texts, truths)]
     column = config["column"]
@@ -166,10 +166,9 @@ def weighted_sum(batch: DataProto, config: dict):
     return DataProto.from_dict({"scores": scores, "token_level_scores": token_level})
 
 
-_TOKENIZERS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _tokenizer(path):
+    """Loaded once per process (a compute worker scores every step)."""
+    from baton.models import load_tokenizer
 
-
-def _tokenizer(path, load):
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = load(path)
-    return _TOKENIZERS[path]
+    return load_tokenizer(path)

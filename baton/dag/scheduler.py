@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from fractions import Fraction
 
 from baton.dag.graph import NodeType, TaskGraph, WorkflowError
+from baton.data.atomic import atomic_file
 
 MODEL_TYPES = (NodeType.MODEL_INFERENCE, NodeType.MODEL_TRAIN)
 APPORTION_OPTIONS = ("even", "model_size")
@@ -321,15 +321,8 @@ class Plan:
                                    label=f"{s.subgraph_id}: ranks {compact(self.placement[s.subgraph_id])}")
                              for s in self.subgraphs], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         axes.set_title(f"{self.graph.graph_id}: {len(self.subgraphs)} subgraphs on {self.layout.total_slots} ranks")
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, temp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                figure.savefig(f, format="png", dpi=100, bbox_inches="tight")
-            os.replace(temp, path)
-        finally:
-            if os.path.exists(temp):
-                os.unlink(temp)
+        with atomic_file(path, binary=True) as f:
+            figure.savefig(f, format="png", dpi=100, bbox_inches="tight")
         return path
 
 

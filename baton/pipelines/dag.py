@@ -136,7 +136,8 @@ class DAGPipeline(RLVRPipeline):
 
     def extra_roles(self, config: DAGConfig) -> dict:
         """The graph's workers: a DAG worker fused into every actor slot (multi-controller), or the compute
-        workers (single controller)."""
+        workers (single controller). Loads the graph here: RLVRPipeline builds the clusters after checking the
+        config, and the DAG workers are built with the graph."""
         self.graph = config.graph()
         for node in self.graph.nodes.values():
             if node.executable == f"{NODES}:rollout_metrics":  # a group estimator: the share of flat groups
@@ -200,10 +201,7 @@ class DAGPipeline(RLVRPipeline):
     def node_timings(self) -> dict[str, float]:
         """`timing_s/node/<id>`: each node's run time in the last step (issue to completion; multi-controller: the
         slowest rank's)."""
-        times: dict[str, float] = dict(getattr(self.executor, "times_s", {}))
-        for node_id, kind, t in getattr(self.executor, "events", []):
-            times[node_id] = times.get(node_id, 0.0) + (t if kind == "end" else -t)
-        return {f"timing_s/node/{node_id}": seconds for node_id, seconds in times.items()}
+        return {f"timing_s/node/{node_id}": seconds for node_id, seconds in self.executor.times_s.items()}
 
 
 _WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "values": "critic_values"}
