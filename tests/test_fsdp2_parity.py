@@ -70,8 +70,16 @@ def assert_same_runs(hf_dir, fsdp2_dir) -> None:
         for key, value in hf[step].items():
             assert fsdp2[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
     checkpoint = f"checkpoints/step_{NUM_STEPS}/actor/model.safetensors"
-    differences = max_weight_difference(load_file(hf_dir / checkpoint), load_file(fsdp2_dir / checkpoint))
-    assert max(differences.values()) < 1e-5, {k: v for k, v in differences.items() if v >= 1e-5}
+    hf_weights, fsdp2_weights = load_file(hf_dir / checkpoint), load_file(fsdp2_dir / checkpoint)
+    # Adam divides each element's gradient by its own scale, so an element whose gradient is near 0 turns the
+    # rounding that differs between a sharded and a whole reduction (and between CPU kernels: seen on one machine
+    # and not another) into an update difference of up to about lr (1e-3) per step: the largest difference is held
+    # to half an update, and the mean one to float noise.
+    differences = max_weight_difference(hf_weights, fsdp2_weights)
+    assert max(differences.values()) < 5e-4, {k: v for k, v in differences.items() if v >= 5e-4}
+    total = sum(float((hf_weights[k] - fsdp2_weights[k]).abs().sum()) for k in hf_weights)
+    mean = total / sum(w.numel() for w in hf_weights.values())
+    assert mean < 5e-7, mean
 
 
 @pytest.mark.ray
