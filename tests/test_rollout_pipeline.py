@@ -260,6 +260,23 @@ def test_a_rollout_that_gets_no_samples_stops_with_the_silent_stage(tmp_path):
         run_pipeline(RolloutRLVRPipeline, config)
 
 
+async def rollout_that_never_returns(args, rollout_id, data_source, evaluation=False):
+    import asyncio
+
+    await asyncio.sleep(3600)
+
+
+def test_a_custom_rollout_function_that_never_returns_is_bounded(tmp_path):
+    from baton.rollout.functions import RolloutStalledError
+
+    config = tiny(tmp_path, num_steps=1, engines=1, rollout_function=f"{THIS}:rollout_that_never_returns",
+                  rollout_timeout_s=0.5)
+    config.trainer.val_before_train = False
+    with pytest.raises(RolloutStalledError, match=r"rollout 1 did not finish within 0.5 s .*rollout_timeout_s.*"
+                                                  r"no engine request in flight"):
+        run_pipeline(RolloutRLVRPipeline, config)
+
+
 def only_group_zero(args, group):
     return group[0].group_index == 0, "not_zero"
 

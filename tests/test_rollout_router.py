@@ -265,9 +265,23 @@ def test_close_fails_what_is_in_flight(local_engines):
             future.result(timeout=TIMEOUT_S)
     with pytest.raises(RuntimeError, match="closed"):
         router.generate(request("late"))
-    for engine in local_engines:  # the router does not own the engines: stop what it left running
-        engine.abort([f"c{i}" for i in range(4)])
-        engine.poll(0.0)
+    for engine in local_engines:  # the engines stopped generating them, and have no result left queued
+        assert engine.health().num_running == 0
+        assert engine.poll(0.0) == []
+
+
+def test_a_failure_seen_by_a_call_to_a_restarted_engines_earlier_incarnation_is_ignored(make_pool):
+    engines = make_pool("local")
+    router = Router(engines)
+    try:
+        router._engine_failed(0, RuntimeError("engine 0 died"), incarnation=0)
+        wait_until(lambda: router.metrics()["router/num_alive_engines"] == 2, "engine 0 back in the pool")
+        assert router._state[0].incarnation == 1 and router.metrics()["router/restarts"] == 1
+        router._engine_failed(0, RuntimeError("a poll of the dead engine 0, answered late"), incarnation=0)
+        assert router.metrics()["router/num_alive_engines"] == 2 and router.metrics()["router/restarts"] == 1
+        assert results([router.generate(request("after"))])[0].finish_reason == "length"
+    finally:
+        router.close()
 
 
 def test_an_unhealthy_engine_is_taken_out_retried_elsewhere_and_restarted(make_pool):

@@ -40,6 +40,8 @@ class RolloutSystemConfig:
         (the group goes back to the buffer). reward_timeout_s: one group's reward, at most (None: no limit); a
         group past it is dropped (`rollout/num_dropped/reward_timeout`).
     watchdog_s: a step that gets no finished group for this long stops with an error naming the silent engines.
+    rollout_timeout_s: one whole rollout (a rollout or eval function's call, or an async step's wait for its groups)
+        at most this long, whatever the function does: past it the step stops with the same kind of error.
     save_rollouts: a path template with `{rollout_id}`: every rollout's groups are written there (jsonl).
     load_rollouts: a path template: train on the saved rollouts instead of generating (train-only mode: no engines
         start, and nothing is validated).
@@ -61,6 +63,7 @@ class RolloutSystemConfig:
     abort_timeout_s: float = 30.0
     reward_timeout_s: float | None = 60.0
     watchdog_s: float = 600.0
+    rollout_timeout_s: float = 3600.0
     save_rollouts: str | None = None
     load_rollouts: str | None = None
     rollout_only: bool = False
@@ -86,7 +89,7 @@ class RolloutSystemConfig:
             raise ValueError(f"rollout_system.max_groups_started_factor={self.max_groups_started_factor} is below "
                              f"over_sampling_factor={self.over_sampling_factor}; raise it (it bounds the groups started "
                              "per step, the first round included)")
-        for name in ("abort_timeout_s", "watchdog_s", "poll_s", "health_interval_s"):
+        for name in ("abort_timeout_s", "watchdog_s", "rollout_timeout_s", "poll_s", "health_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout_system.{name} must be > 0, got {getattr(self, name)}")
         if self.reward_timeout_s is not None and self.reward_timeout_s <= 0:

@@ -24,6 +24,7 @@ from baton.workers.model import _fetch
 
 ENGINE_STRATEGIES = ("hf", "vllm")
 CONTROL_TIMEOUT_S = 120.0  # abort, pause, health, sleep: each returns at a decode-step boundary
+WEIGHT_SYNC_TIMEOUT_S = 600.0  # one weight update, copies included
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class EngineWorker(Worker):
         """Load buckets made by `ModelWorker.export_weights` in place, between decode steps, as weight `version`
         (None: the engine's + 1). Requests in flight go on with the new weights."""
         version = self.engine.weight_version + 1 if version is None else version
-        self.runner.run(self.engine.update_weights((_fetch(b).tensors for b in buckets), version), timeout_s=None)
+        self.runner.run(self.engine.update_weights((_fetch(b).tensors for b in buckets), version),
+                        timeout_s=WEIGHT_SYNC_TIMEOUT_S)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: DataProto) -> DataProto:

@@ -110,8 +110,10 @@ class RolloutContext:
                 self.router.abort, ids, timeout_s=self.config.abort_timeout_s))
 
     def run(self, coro, timeout_s: float | None = None):
-        """Run a coroutine on the manager's event loop from a plain (synchronous) rollout function."""
-        return self._manager.loop.run(coro, timeout_s)
+        """Run a coroutine on the manager's event loop from a plain (synchronous) rollout function, for at most
+        `timeout_s` (None: `rollout_timeout_s`)."""
+        return self._manager.run_bounded(coro, "a rollout function's call",
+                                         self.config.rollout_timeout_s if timeout_s is None else timeout_s)
 
     def describe_stall(self, what: str) -> str:
         return self._manager.describe_stall(what)
@@ -163,6 +165,20 @@ class RolloutManager:
     def context(self) -> RolloutContext:
         return RolloutContext(self, self.sampling_params, self.num_groups_per_step)
 
+    def run_bounded(self, coro, what: str, timeout_s: float | None = None):
+        """`coro` on the manager's loop, for at most `timeout_s` (None: `rollout_timeout_s`): past it, a
+        RolloutStalledError that names `what`, the stage and the silent engines."""
+        timeout_s = self.config.rollout_timeout_s if timeout_s is None else timeout_s
+        future = self.loop.submit(coro)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (a RolloutStalledError among them)
+                raise
+            future.cancel()
+            raise RolloutStalledError(self.describe_stall(
+                f"{what} did not finish within {timeout_s:g} s (rollout_system.rollout_timeout_s)")) from None
+
     # --- sync and one-step-off -----------------------------------------------------------------------
 
     def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -173,7 +189,7 @@ class RolloutManager:
         ctx = self.context()
         fn = self.rollout_fn
         if inspect.iscoroutinefunction(fn):
-            groups = self.loop.run(fn(ctx, rollout_id, self.data_source, False), timeout_s=None)
+            groups = self.run_bounded(fn(ctx, rollout_id, self.data_source, False), f"rollout {rollout_id}")
         else:
             groups = fn(ctx, rollout_id, self.data_source, False)
         if self.config.save_rollouts is not None:
@@ -230,7 +246,7 @@ class RolloutManager:
 
     def take(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """(async mode) The next step's groups, waiting at most `watchdog_s` for enough of them."""
-        groups, metrics = self.loop.run(self._take(), timeout_s=None)
+        groups, metrics = self.run_bounded(self._take(), "the async step's wait for its groups")
         return groups, {**metrics, **self.router_metrics()}
 
     async def _take(self) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -353,7 +369,7 @@ class RolloutManager:
         ctx = RolloutContext(self, dataclasses.replace(self.eval_sampling_params, n=1), self.num_groups_per_step)
         fn = self.eval_fn
         if inspect.iscoroutinefunction(fn):
-            results = self.loop.run(fn(ctx, rollout_id, sources, True), timeout_s=None)
+            results = self.run_bounded(fn(ctx, rollout_id, sources, True), f"eval {rollout_id}")
         else:
             results = fn(ctx, rollout_id, sources, True)
         out = {}
@@ -379,6 +395,8 @@ class RolloutManager:
         return self.router.metrics() if self.router is not None else {}
 
     def describe_stall(self, what: str) -> str:
+        if self.router is None:
+            return what
         metrics = self.router.metrics()
         engines = [f"engine {i}: {metrics[f'router/engine_{i}/outstanding']:g} outstanding, "
                    f"{metrics[f'router/engine_{i}/served']:g} served" for i in range(len(self.engines))]

@@ -50,6 +50,7 @@ class _EngineState:
     outstanding: int = 0
     served: int = 0
     restarts: int = 0
+    incarnation: int = 0  # bumped by each restart: a failure seen by a call to an earlier one is stale
     last_error: str | None = None
     outbox: list = field(default_factory=list)  # requests assigned and not yet sent; its thread sends them
     thread: threading.Thread | None = field(default=None, repr=False)
@@ -132,10 +133,11 @@ class Router:
                 else:
                     by_engine.setdefault(entry.engine, []).append(request_id)
         for index, ids in by_engine.items():
+            incarnation = self._state[index].incarnation
             try:
                 partials = self.engines[index].abort(ids)
             except Exception as error:  # the engine is gone: its requests were moved; abort them there
-                self._engine_failed(index, error)
+                self._engine_failed(index, error, incarnation)
                 self.abort(ids, timeout_s)
                 continue
             for result in partials:
@@ -160,13 +162,25 @@ class Router:
             return out
 
     def close(self) -> None:
-        """Stop the polling threads; requests still in flight fail with EngineFailedError."""
+        """Stop the polling threads, and the engines' work on the requests still in flight (aborted there: the router
+        does not own the engines, which may serve another router next); those requests fail with
+        EngineFailedError."""
         self._closed.set()
         for state in self._state:
             if state.thread is not None:
                 state.thread.join(timeout=self.poll_s + 10)
         with self._lock:
             entries, self._requests = list(self._requests.values()), {}
+        by_engine: dict[int, list[str]] = {}
+        for entry in entries:
+            if entry.sent and self._state[entry.engine].alive:
+                by_engine.setdefault(entry.engine, []).append(entry.request.request_id)
+        for index, ids in by_engine.items():
+            try:  # each call bounded by the cluster's call timeout; the results polled out, so none is left queued
+                self.engines[index].abort(ids)
+                self.engines[index].poll(0.0)
+            except Exception:  # a dead engine generates nothing
+                pass
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(EngineFailedError("the router was closed with the request in flight"))
@@ -240,6 +254,7 @@ class Router:
             if not self._state[index].alive:
                 self._closed.wait(0.1)
                 continue
+            incarnation = self._state[index].incarnation
             try:
                 self._flush(index)
                 items = self.engines[index].poll(self.poll_s)
@@ -257,13 +272,14 @@ class Router:
             except Exception as error:
                 if self._closed.is_set():
                     return
-                self._engine_failed(index, error)
+                self._engine_failed(index, error, incarnation)
 
-    def _engine_failed(self, index: int, error: BaseException) -> None:
-        """Take engine `index` out, move its requests to the live engines, and restart it (in its thread)."""
+    def _engine_failed(self, index: int, error: BaseException, incarnation: int | None = None) -> None:
+        """Take engine `index` out, move its requests to the live engines, and restart it (in its thread). A failure
+        seen by a call to an earlier `incarnation` of the engine (one already restarted) is stale, and ignored."""
         with self._lock:
             state = self._state[index]
-            if not state.alive:
+            if not state.alive or (incarnation is not None and incarnation != state.incarnation):
                 return
             state.alive, state.outstanding, state.outbox = False, 0, []
             state.last_error = "".join(traceback.format_exception_only(type(error), error)).strip()
@@ -301,6 +317,7 @@ class Router:
             self._fail(stranded, f"no engine is alive: engine {index} could not be restarted: {error!r}")
             return
         with self._lock:
+            self._state[index].incarnation += 1
             self._state[index].alive = True
             self._state[index].restarts += 1
             self._assign([e for e in self._requests.values() if e.engine is None])
