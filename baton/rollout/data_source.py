@@ -22,10 +22,16 @@ def take_first(buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]
     return buffer[:num_groups]
 
 
+def group_seeds(seed: int, group_index: int, num_samples: int) -> list[int]:
+    """The sampling seeds of a group's samples, each in [0, 2**62): sample i's a function of (seed, group_index, i)
+    only (one SeedSequence per group: the driver draws a step's thousand seeds in a few calls)."""
+    state = np.random.SeedSequence([seed, group_index]).generate_state(num_samples, np.uint64)
+    return [int(value) >> 2 for value in state]
+
+
 def sample_seed(seed: int, group_index: int, sample_index: int) -> int:
-    """The sampling seed of one sample, in [0, 2**62): a function of (seed, group_index, sample_index) only."""
-    state = np.random.SeedSequence([seed, group_index, sample_index]).generate_state(1, np.uint64)
-    return int(state[0]) >> 2
+    """The sampling seed of one sample (see `group_seeds`)."""
+    return group_seeds(seed, group_index, sample_index + 1)[sample_index]
 
 
 class RolloutDataSource:
@@ -134,8 +140,9 @@ class RolloutDataSource:
         if DATA_SOURCE in metadata and metadata[DATA_SOURCE] is None:
             metadata[DATA_SOURCE] = UNKNOWN_DATA_SOURCE
         group_index, self.next_group_index = self.next_group_index, self.next_group_index + 1
+        seeds = group_seeds(self.seed, group_index, self.num_samples_per_prompt)
         return [Sample(group_index=group_index, sample_index=i, prompt=prompt, prompt_ids=list(prompt_ids),
-                       label=label, seed=sample_seed(self.seed, group_index, i), metadata=copy.deepcopy(metadata))
+                       label=label, seed=seeds[i], metadata=copy.deepcopy(metadata))
                 for i in range(self.num_samples_per_prompt)]
 
 

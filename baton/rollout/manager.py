@@ -318,18 +318,18 @@ class RolloutManager:
     # --- weights and memory -------------------------------------------------------------------------
 
     def update_weights(self, actor: Cluster, version: int, bucket_bytes: int = 256 << 20) -> dict[str, float]:
-        """The actor's weights into every engine as `version`, in place: each engine pauses (requests in flight
-        wait), loads, is probe-checked against the actor, and resumes."""
+        """The actor's weights into every engine as `version`, in place: an engine loads them between two decode
+        steps (its requests in flight hold meanwhile, then go on with the new weights) and is probe-checked against
+        the actor (its steps held for the probe's forward). The actor's probe log-probs and the export are done
+        first, while the engines keep generating."""
+        pairs = [ModelUpdatePair(actor, engine, self.probe, atol=self.probe_atol) for engine in self.engines]
+        ours = pairs[0].source_log_probs() if self.probe is not None and pairs else None
         buckets = actor.export_weights(bucket_bytes)
         diffs = []
-        for index, engine in enumerate(self.engines):
-            engine.pause()
-            try:
-                engine.import_weights(buckets, version)
-                if self.probe is not None:
-                    diffs.append(ModelUpdatePair(actor, engine, self.probe, atol=self.probe_atol).check())
-            finally:
-                engine.resume()
+        for engine, pair in zip(self.engines, pairs):
+            engine.import_weights(buckets, version)
+            if ours is not None:
+                diffs.append(pair.check(ours))
         self._buckets, self.version = buckets, version
         if self._producer is not None:
             self.loop.loop.call_soon_threadsafe(self._wake.set)

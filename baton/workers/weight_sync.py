@@ -35,6 +35,10 @@ class ModelUpdatePair:
         self.bucket_bytes, self.share_role = bucket_bytes, share_role
         self.num_syncs = 0
 
+    def source_log_probs(self):
+        """The source's log-probs on the probe's tokens (what `check` compares the destination's with)."""
+        return self.src.compute_log_probs(self.probe).batch["log_probs"]
+
     def sync(self) -> dict[str, float]:
         start = time.perf_counter()
         if self.share_role is not None:
@@ -47,9 +51,11 @@ class ModelUpdatePair:
         self.num_syncs += 1
         return metrics
 
-    def check(self) -> float:
-        """Largest |log p_src - log p_dst| on the probe's response tokens; raises `WeightSyncError` above `atol`."""
-        ours = self.src.compute_log_probs(self.probe).batch["log_probs"]
+    def check(self, ours=None) -> float:
+        """Largest |log p_src - log p_dst| on the probe's response tokens; raises `WeightSyncError` above `atol`.
+        ours: the source's log-probs on the probe, computed before (`source_log_probs`), e.g. while the destination
+        was still busy; else computed here."""
+        ours = self.source_log_probs() if ours is None else ours
         theirs = self.dst.compute_log_probs(self.probe).batch["log_probs"]
         mask = self.probe.batch["response_mask"].bool()
         diff = float((ours - theirs).abs().masked_fill(~mask, 0.0).max()) if mask.any() else 0.0
