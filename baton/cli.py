@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--slots-per-node", type=int, default=8, help="device slots per machine node (default 8)")
     plan.add_argument("--apportion", default="even", choices=["even", "model_size"],
                       help="workers per subgraph: even, or by the nodes' config model_size")
+    plan.add_argument("--colocate", action="store_true",
+                      help="every subgraph on every slot, as the multi-controller executor runs it")
     plan.add_argument("--png", default=None, help="also draw the graph to this PNG file (never overwritten)")
     args = parser.parse_args(argv)
 
@@ -125,7 +127,8 @@ def dag_plan(args) -> int:
             graph = config.graph()
         else:
             graph = load_workflow(data)
-        plan = schedule(graph, ClusterLayout.uniform(args.nodes, args.slots_per_node), apportion_by=args.apportion)
+        plan = schedule(graph, ClusterLayout.uniform(args.nodes, args.slots_per_node), apportion_by=args.apportion,
+                        colocate=args.colocate)
         print(plan.table())
         if args.png:
             print(f"graph drawn to {plan.draw(args.png)}")

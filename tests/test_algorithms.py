@@ -69,6 +69,31 @@ def test_masked_var_unbiased_and_biased():
         masked_var(X, T([[1, 0, 0], [0, 0, 0]]))
 
 
+def _whiten_half(rank: int, init_file: str, x: torch.Tensor, mask: torch.Tensor, out: str) -> None:
+    import torch.distributed as dist
+
+    from baton.algorithms.utils import batch_statistics_over
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        rows = slice(0, 2) if rank == 0 else slice(2, 5)  # uneven shards, uneven token counts
+        with batch_statistics_over():
+            torch.save(masked_whiten(x[rows], mask[rows]), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_masked_whiten_over_two_ranks_equals_the_whole_batch(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    mask = (torch.rand(5, 6) > 0.3).long()
+    out = str(tmp_path / "whitened")
+    torch.multiprocessing.spawn(_whiten_half, args=(str(tmp_path / "init"), x, mask, out), nprocs=2)
+    shards = torch.cat([torch.load(f"{out}.0"), torch.load(f"{out}.1")])
+    assert torch.allclose(shards, masked_whiten(x, mask), atol=1e-6)
+    assert not torch.allclose(torch.load(f"{out}.0"), masked_whiten(x[:2], mask[:2]), atol=1e-3)  # not per rank
+
+
 def test_masked_whiten_shifted_and_unshifted():
     x, mask = T([[2.0, 4.0, 6.0, 0.0]]), T([[1, 1, 1, 0]])
     # mean 4, unbiased var (4 + 0 + 4) / 2 = 4, std 2

@@ -17,6 +17,7 @@ from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline as run
 from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.dag import DAGExecutionError, NodeStatus, node_function
+from baton.dag.scheduler import split_subgraphs
 from baton.distributed import WorkerError
 from baton.pipelines.dag import DAGConfig, DAGPipeline, DAGSettings
 from baton.pipelines.rlvr import RLVRPipeline
@@ -152,9 +153,24 @@ def fsdp2_pair(cls, run_dir, **fields):
         config.trainer, num_nodes=1, num_steps=2, val_every_steps=2, save_every_steps=2))
 
 
-def test_the_multi_controller_gives_the_loops_metrics_on_one_rank(tmp_path):
-    run(RLVRPipeline, tiny(RLVRConfig, tmp_path / "loop"))
-    run(DAGPipeline, tiny(DAGConfig, tmp_path / "dag", dag=MULTI))
+def ppo_example_workflow() -> dict:
+    """dag_ppo.yaml's graph: it splits into three subgraphs (the shared prefix, the critic's update, the actor's)."""
+    _, demo = resolve(os.path.join(EXAMPLES, "dag_ppo.yaml"), [])
+    return json.loads(json.dumps(demo.rlvr.workflow))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_the_multi_controller_gives_the_loops_metrics_on_one_rank(tmp_path, algorithm):
+    fields = {"grpo": {}, "ppo": PPO}[algorithm]
+    run(RLVRPipeline, tiny(RLVRConfig, tmp_path / "loop", **fields))
+    workflow = {"workflow": ppo_example_workflow()} if algorithm == "ppo" else {}
+    pipeline = DAGPipeline(tiny(DAGConfig, tmp_path / "dag", dag=MULTI, **fields, **workflow))
+    if algorithm == "ppo":  # the subgraphs run colocated, in turn on the one rank
+        assert len(split_subgraphs(pipeline.graph)) == 3
+    try:
+        pipeline.run()
+    finally:
+        pipeline.shutdown()
     assert records(tmp_path / "loop") == records(tmp_path / "dag")
 
 
@@ -164,6 +180,28 @@ def test_two_dag_workers_train_as_the_single_controller_does(tmp_path, ray_clust
     run(DAGPipeline, fsdp2_pair(DAGConfig, tmp_path / "dag", dag=MULTI))
     loop, dag = records(tmp_path / "loop"), records(tmp_path / "dag")
     assert [r["step"] for r in dag] == [0, 1, 2]
+    for a, b in zip(loop, dag):
+        assert a.keys() == b.keys(), a["step"]
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.ray
+def test_two_dag_workers_run_a_graph_that_splits_as_the_single_controller_does(tmp_path, ray_cluster):
+    """PPO with dag_ppo.yaml's graph (three subgraphs, colocated on both ranks): actor, critic and reference fsdp2
+    on two slots, one mini-batch (the loop and the ranks then cut the rows alike)."""
+    fields = dict(PPO, algorithm=dataclasses.replace(PPO["algorithm"], num_mini_batches_per_step=1))
+
+    def pair(cls, run_dir, **more):
+        config = fsdp2_pair(cls, run_dir, **fields, **more)
+        critic = dataclasses.replace(config.critic, world_size=2, strategy=dataclasses.replace(
+            config.critic.strategy, name="fsdp2"))
+        return dataclasses.replace(config, critic=critic)
+
+    run(RLVRPipeline, pair(RLVRConfig, tmp_path / "loop"))
+    run(DAGPipeline, pair(DAGConfig, tmp_path / "dag", dag=MULTI, workflow=ppo_example_workflow()))
+    loop, dag = records(tmp_path / "loop"), records(tmp_path / "dag")
+    assert [r["step"] for r in dag] == [0, 1, 2] and "critic/vf_loss" in dag[-1]
     for a, b in zip(loop, dag):
         assert a.keys() == b.keys(), a["step"]
         for key, value in a.items():

@@ -224,6 +224,19 @@ def test_schedule_by_model_size_and_determinism():
     assert again.table() == plan.table()
 
 
+def test_colocated_schedule_puts_every_subgraph_on_every_rank():
+    """As the multi-controller runs a graph that splits: same subgraphs and cross edges, every model's group the
+    world, and the table says the edges stay in the ranks' local caches."""
+    layout = ClusterLayout.uniform(2, 4)
+    plan, disjoint = schedule(branches(), layout, colocate=True), schedule(branches(), layout)
+    assert plan.subgraphs == disjoint.subgraphs and plan.cross_edges == disjoint.cross_edges
+    assert plan.counts == {"sg0": 8, "sg1": 8, "sg2": 8}
+    assert plan.placement == {s: list(range(8)) for s in ("sg0", "sg1", "sg2")}
+    assert set(plan.groups.values()) == {tuple(range(8))}
+    assert "cross-subgraph edges (colocated: every subgraph on every rank; each edge stays in the rank's local " \
+           "cache):" in plan.table().splitlines()
+
+
 def test_table_lists_rows_groups_and_cross_edges():
     table = schedule(branches(), ClusterLayout.uniform(2, 4)).table()
     lines = table.splitlines()

@@ -12,9 +12,12 @@ After every node the ranks agree (an all-reduce of a failure flag) whether all o
 that raises on one rank fails the step on every rank before any enters the next node's collectives; a rank whose
 process dies is found by the cluster's health checks, which stop the others within seconds.
 
-Runs workflows that schedule as one subgraph (`baton.dag.scheduler.split_subgraphs`), on colocated actor and
-rollout. A graph that splits (branches with models of their own to place on disjoint workers) needs the data
-buffer between subgraphs, which is not built: the single-controller executor runs those.
+Every role is on every rank, so a graph that splits into subgraphs (`baton.dag.scheduler.split_subgraphs`:
+branches with models of their own, such as PPO's critic and actor updates) runs colocated (`schedule(...,
+colocate=True)`): the subgraphs take turns on the ranks, in the graph's topological order, and an edge between
+two of them stays in the rank's local cache (one data-parallel layout). Subgraphs on disjoint workers, whose
+edges need the data buffer (object references keyed by consumer node, rows re-cut for another layout), are not
+built: the single-controller executor runs branches on their roles' own workers at the same time.
 """
 
 from __future__ import annotations
@@ -144,13 +147,14 @@ class DAGWorker(Worker):
         inputs = JoinedData.of(*(outputs[d] for d in node.dependencies))
         batch = inputs.get() if isinstance(inputs, JoinedData) else inputs
         if node.node_type == NodeType.COMPUTE:
-            result = node.resolve()(batch, {**self.settings, **node.config})
+            with self._whole_batch_statistics():  # e.g. PPO's advantages, whitened over the whole batch
+                result = node.resolve()(batch, {**self.settings, **node.config})
             data, node_metrics = result if isinstance(result, tuple) else (result, {})
         elif node.node_type == NodeType.BARRIER_SYNC:
             self._barrier()
             data, node_metrics = None, {}
         elif node.node_type in (NodeType.PUT_TO_BUFFER, NodeType.GET_FROM_BUFFER):
-            data, node_metrics = None, {}  # one subgraph: every node's input is already local
+            data, node_metrics = None, {}  # colocated: every node's input is already in this rank's cache
         else:
             result = node.resolve()(NodeContext(node, step, self), batch) or NodeOutput()
             data, node_metrics = result.data, result.metrics
@@ -160,6 +164,15 @@ class DAGWorker(Worker):
             data = JoinedData.of(batch, data)
             data = data.get() if isinstance(data, JoinedData) else data
         return data, {k: float(v) for k, v in (node_metrics or {}).items()}
+
+    def _whole_batch_statistics(self):
+        import torch.distributed as dist
+
+        from baton.algorithms.utils import batch_statistics_over
+
+        if self.world_size > 1 and dist.is_initialized():
+            return batch_statistics_over()
+        return contextlib.nullcontext()
 
     def _any_rank_failed(self, failed: bool) -> bool:
         import torch

@@ -6,7 +6,8 @@
    run on workers of its own. Unlike siiRL, which copies a shared prefix into every branch's replica, no node
    is duplicated: the prefix is a subgraph of its own and `cross_edges` are moved through a data buffer.
 2. `apportion`: how many workers each subgraph gets ("even", or in proportion to its models' sizes).
-3. `place`: which global ranks they are, keeping a subgraph on one machine node when one has room.
+3. `place`: which global ranks they are, keeping a subgraph on one machine node when one has room (or, with
+   `colocate`, every subgraph on every rank: how the multi-controller executor runs a graph).
 4. `process_groups`: the communication groups: the world, one per subgraph, one per model (gradient
    all-reduce and weight sync).
 """
@@ -235,7 +236,7 @@ def process_groups(graph: TaskGraph, subgraphs: list[Subgraph],
                    placement: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
     """Communication groups, name -> sorted ranks: "world"; "subgraph:<id>" each; and "<role>:<agent_group>"
     per model (e.g. "actor:0"): the ranks of every subgraph holding a node of that model."""
-    groups = {"world": tuple(sorted(r for ranks in placement.values() for r in ranks))}
+    groups = {"world": tuple(sorted({r for ranks in placement.values() for r in ranks}))}  # colocated: shared
     groups.update({f"subgraph:{s.subgraph_id}": tuple(sorted(placement[s.subgraph_id])) for s in subgraphs})
     owner = _owner(subgraphs)
     models: dict[str, set[int]] = {}
@@ -252,7 +253,8 @@ def process_groups(graph: TaskGraph, subgraphs: list[Subgraph],
 @dataclass
 class Plan:
     """Where every node of `graph` runs: its subgraphs, their worker counts and ranks, the process groups and
-    the edges that cross subgraphs (moved through a data buffer)."""
+    the edges that cross subgraphs (through a data buffer between disjoint workers; in the rank's local cache
+    when `colocated`)."""
 
     graph: TaskGraph
     subgraphs: list[Subgraph]
@@ -261,6 +263,7 @@ class Plan:
     groups: dict[str, tuple[int, ...]]
     cross_edges: list[tuple[str, str]]
     layout: ClusterLayout
+    colocated: bool = False
 
     def table(self) -> str:
         """Plain text: one row per subgraph (id | ranks | machine nodes | graph nodes), then the process groups
@@ -275,7 +278,9 @@ class Plan:
         lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * len(rows[0][3]))
         lines += ["", "process groups:"] + [f"  {name}: {compact(ranks)}" for name, ranks in self.groups.items()]
         owner = _owner(self.subgraphs)
-        lines += ["", "cross-subgraph edges:"]
+        via = " (colocated: every subgraph on every rank; each edge stays in the rank's local cache)" \
+            if self.colocated else ""
+        lines += ["", f"cross-subgraph edges{via}:"]
         lines += [f"  {a} -> {b} ({owner[a]} -> {owner[b]})" for a, b in self.cross_edges] or ["  (none)"]
         return "\n".join(lines)
 
@@ -326,13 +331,21 @@ class Plan:
         return path
 
 
-def schedule(graph: TaskGraph, layout: ClusterLayout, apportion_by: str = "even") -> Plan:
-    """Split `graph`, apportion every slot of `layout` to its subgraphs, place them and derive the groups."""
+def schedule(graph: TaskGraph, layout: ClusterLayout, apportion_by: str = "even", colocate: bool = False) -> Plan:
+    """Split `graph`, apportion every slot of `layout` to its subgraphs, place them and derive the groups.
+
+    colocate: every subgraph on every slot (each slot's process holds every model, as the multi-controller
+    executor runs): the subgraphs take turns on the ranks, every model's group is the world, and an edge between
+    subgraphs joins a producer and a consumer of one data-parallel layout, so it stays in the rank's local cache."""
     subgraphs = split_subgraphs(graph)
-    counts = apportion(subgraphs, layout.total_slots, apportion_by)
-    placement = place(subgraphs, counts, layout)
+    if colocate:
+        counts = {s.subgraph_id: layout.total_slots for s in subgraphs}
+        placement = {s.subgraph_id: list(range(layout.total_slots)) for s in subgraphs}
+    else:
+        counts = apportion(subgraphs, layout.total_slots, apportion_by)
+        placement = place(subgraphs, counts, layout)
     return Plan(graph, subgraphs, counts, placement, process_groups(graph, subgraphs, placement),
-                cross_edges(graph, subgraphs), layout)
+                cross_edges(graph, subgraphs), layout, colocate)
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------

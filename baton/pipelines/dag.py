@@ -21,7 +21,6 @@ from baton.dag.executor import SingleControllerExecutor
 from baton.dag.graph import TaskGraph, Workflow, WorkflowError
 from baton.dag.loader import load_workflow
 from baton.dag.multi import DAGWorker, MultiControllerExecutor
-from baton.dag.scheduler import split_subgraphs
 from baton.pipelines.config import RLVRConfig, WorkerSettings
 from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.rlvr import RLVRPipeline
@@ -35,7 +34,8 @@ class DAGSettings:
     """How the workflow runs.
 
     executor: "single_controller" (the driver walks the graph; data passed by reference) or "multi_controller"
-        (one DAG worker per actor slot walks it on its own rows; see `baton.dag.multi`).
+        (one DAG worker per actor slot walks it on its own rows, every subgraph of a graph that splits colocated on
+        those slots; see `baton.dag.multi`).
     num_compute_workers: processes for COMPUTE nodes; compute nodes that may run at the same time go to
         different ones (up to this many).
     compute: those workers' CPUs and limits.
@@ -75,17 +75,9 @@ class DAGConfig(RLVRConfig):
             raise ConfigError("algorithm.kl_ctrl.type 'adaptive' is not run by the workflow's advantage node (its "
                               "coefficient is fixed); use kl_ctrl.type fixed, or RLVRPipeline")
         try:
-            graph = self.graph()  # every workflow error before any worker starts
+            self.graph()  # every workflow error before any worker starts
         except (WorkflowError, FileNotFoundError) as error:
             raise ConfigError(f"workflow: {error}") from error
-        if self.dag.executor == "multi_controller":
-            subgraphs = split_subgraphs(graph)
-            if len(subgraphs) > 1:
-                raise ConfigError(
-                    f"workflow {graph.graph_id!r} splits into {len(subgraphs)} subgraphs ("
-                    + "; ".join(", ".join(s.node_ids) for s in subgraphs) + "): the multi-controller executor runs "
-                    "workflows that stay one subgraph (it has no data buffer between subgraphs yet); use "
-                    "dag.executor: single_controller")
 
     def graph(self) -> TaskGraph:
         if self.workflow is None:
