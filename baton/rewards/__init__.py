@@ -2,6 +2,7 @@
 further numeric fields and maybe a string "pred" beside it), or verl's `compute_score(data_source, solution_str,
 ground_truth, extra_info=None)`; by name or import path, one for every row or one per data_source."""
 
+import baton.rewards.sandbox  # noqa: F401  registers code_sandbox and code_sandbox_all
 from baton.rewards.math_equiv import math_verify_reward
 from baton.rewards.overlong import overlong_penalty
 from baton.rewards.pool import ScoringPool

@@ -1,0 +1,329 @@
+"""A sandbox reward for code tasks: a response's Python run against a task's tests (asserts), each test case in a
+process of its own with time, memory, output, file-size and process limits, no network, and a temporary working
+directory it cannot see or write past as far as Linux lets an unprivileged process be held.
+
+What holds, per case (Linux only; `sandbox_child.py` sets it up before the untrusted code runs):
+
+By the kernel, always:
+- wall-clock limit `timeout_s`: the parent kills the case's whole session (`killpg`, SIGKILL) when it runs past it,
+  and after every case, so nothing left in the session outlives it;
+- RLIMIT_CPU (`cpu_time_s`: SIGXCPU, then SIGKILL a second later), RLIMIT_AS (`memory_bytes`: allocations fail, a
+  MemoryError), RLIMIT_FSIZE (`max_file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE 0;
+- output: stdout and stderr are pipes the parent reads; past `max_output_bytes` together it kills the case;
+- a fresh temporary working directory, removed after; an environment of PATH, HOME, TMPDIR and LANG only (no
+  inherited secrets); an isolated interpreter (`-I -S -B`: no site-packages, no PYTHON* variables, no .pyc writes).
+
+By the kernel, when the reward runs as root (as this project's machines and CI do):
+- the case drops to `nobody` (uid/gid 65534, no supplementary groups): writes outside its working directory are
+  refused by file permissions except in world-writable directories (/tmp, /dev/shm), and files not readable by
+  others (mode 0600, /root) cannot be read;
+- RLIMIT_NPROC (`max_processes`) holds, which it does not for root. It counts every process of uid 65534 on the
+  machine, so concurrent cases share it: a fork bomb in one case can make another case's forks fail until it is
+  killed (that case then fails; nothing outside the sandbox does);
+- a network namespace of its own (`unshare(CLONE_NEWNET)`: only a down loopback, so no connection anywhere, local
+  servers included) and a PID namespace whose init is the case: when it exits or is killed, the kernel kills every
+  process in it, even ones that left the session with setsid(); it dies with its parent (PR_SET_PDEATHSIG), and
+  cannot see or signal processes outside. Where unshare is refused (no CAP_SYS_ADMIN), the case runs without them:
+  no network then rests on the hook, and a process that leaves the session lives until RLIMIT_CPU ends it.
+
+Only by an audit hook inside the child interpreter (installed before the untrusted code runs; Python-level, so code
+that gets at raw syscalls past it is not stopped, which is why the kernel's limits come first):
+- sockets (every `socket.*` event) and ctypes (import and every `ctypes.*` event) are refused;
+- open() for writing, and remove/rename/mkdir/chmod/symlink/... outside the working directory are refused, which
+  covers the world-writable directories that permissions leave open (a symlink swapped between the check and the
+  open can race it);
+- open() for reading and listdir outside the working directory and the stdlib are refused (world-readable files
+  such as /etc/passwd or the project's source are otherwise readable by `nobody`);
+- signals to other processes, sys.settrace/setprofile/_getframe and gc.get_objects/referrers (ways to rewrite the
+  test's frame) are refused;
+- when not root, new processes (fork, exec, spawn, subprocess) are refused: RLIMIT_NPROC would count all of the
+  user's processes and nothing would stop the code signalling them, so only the hook and the session kill hold.
+
+A case passes only when the child writes its verdict line after the test ran, keyed with a nonce the code is not
+given: exiting early (sys.exit(0), os._exit(0)) or printing a verdict fails. Code that digs the nonce out of the
+interpreter's memory could forge one; and a test `assert f(x) == y` passes for an object whose `__eq__` says yes,
+so write tests that check the type where it matters. Each case pays an interpreter start (~40 ms with the preloaded
+modules, `sandbox_child.PRELOADED`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import select
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from baton.rewards.registry import register_reward
+
+PASSED, FAILED, TIMEOUT, MEMORY, OUTPUT_LIMIT, ERROR = "passed", "failed", "timeout", "memory", "output_limit", "error"
+STATUSES = (PASSED, FAILED, TIMEOUT, MEMORY, OUTPUT_LIMIT, ERROR)
+NOBODY = 65534  # uid and gid a case runs as when the reward runs as root
+MAX_CONCURRENT_CASES = max(2, os.cpu_count() or 1)  # test processes alive at once in this process, over all calls
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+_ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
+_READ_CHUNK = 65536
+_MAX_VERDICT_BYTES = 4096
+_KILL_WAIT_S = 5.0  # for a killed namespace's init to exit; it exits once every process in it has
+_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_slots = threading.BoundedSemaphore(MAX_CONCURRENT_CASES)
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits for one test case (one process, and its children when the kernel contains them)."""
+
+    timeout_s: float = 5.0  # wall clock, the parent kills the case's session past it
+    cpu_time_s: int = 5  # RLIMIT_CPU, whole seconds
+    memory_bytes: int = 512 * 2**20  # RLIMIT_AS (address space, per process; the interpreter itself takes ~30 MiB)
+    max_output_bytes: int = 64 * 2**10  # stdout and stderr together; past it the case is killed: output_limit
+    max_file_bytes: int = 2**20  # RLIMIT_FSIZE: any file the case writes
+    max_processes: int = 64  # RLIMIT_NPROC for uid `nobody` (when root); see the module docstring
+    max_open_files: int = 64  # RLIMIT_NOFILE
+
+    def __post_init__(self):
+        if self.timeout_s <= 0 or self.cpu_time_s < 1:
+            raise ValueError(f"the sandbox needs timeout_s > 0 and cpu_time_s >= 1 (whole seconds), got "
+                             f"timeout_s={self.timeout_s}, cpu_time_s={self.cpu_time_s}")
+        small = {k: v for k, v in asdict(self).items() if k not in ("timeout_s", "cpu_time_s") and v < 1}
+        if small:
+            raise ValueError(f"sandbox limits must be >= 1, got {small}")
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One test case's outcome: `status` one of STATUSES, `reason` a line on why it did not pass ("" when it did),
+    its stdout and stderr (decoded, at most max_output_bytes), and its wall-clock duration."""
+
+    status: str
+    reason: str
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+
+def extract_code(response: str) -> str:
+    """The code in a response: its last ```python (or ```py, or bare ```) fenced block, the rest of the text after an
+    unclosed fence included; else the whole text."""
+    blocks = _FENCE.findall(response)
+    python = [body for lang, body in blocks if lang]
+    if python or blocks:
+        return (python or [body for _, body in blocks])[-1]
+    return response
+
+
+def parse_tests(label: Any) -> list[str]:
+    """A task's tests: a list of Python snippets (asserts), or a JSON string of one; any other string is one test."""
+    if isinstance(label, str):
+        try:
+            parsed = json.loads(label)
+        except json.JSONDecodeError:
+            return [label]
+        label = parsed if isinstance(parsed, list) else label
+        if isinstance(label, str):
+            return [label]
+    if not isinstance(label, (list, tuple)) or not label or not all(isinstance(t, str) for t in label):
+        raise ValueError(f"code tests must be a non-empty list of Python snippets (asserts), or a JSON string of one, "
+                         f"such as '[\"assert f(2) == 4\"]'; got {label!r:.200}")
+    return list(label)
+
+
+def run_case(code: str, test: str, limits: SandboxLimits = SandboxLimits()) -> CaseResult:
+    """Run `code` then `test` in one sandboxed process (the module docstring says how it is held)."""
+    with _slots:
+        root = tempfile.mkdtemp(prefix="baton-sandbox-")
+        try:
+            return _run_in(root, code, test, limits)
+        finally:
+            shutil.rmtree(root, onerror=_make_removable)
+
+
+def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits = SandboxLimits(),
+              max_concurrent: int = MAX_CONCURRENT_CASES) -> list[CaseResult]:
+    """One `CaseResult` per test, in order, run concurrently (at most `max_concurrent` here, and at most
+    MAX_CONCURRENT_CASES over all calls in this process)."""
+    if len(tests) <= 1:
+        return [run_case(code, test, limits) for test in tests]
+    with ThreadPoolExecutor(min(max_concurrent, len(tests)), thread_name_prefix="sandbox") as pool:
+        return list(pool.map(lambda test: run_case(code, test, limits), tests))
+
+
+def score_results(results: Sequence[CaseResult], all_or_nothing: bool = False) -> float:
+    """The fraction of cases passed, or with `all_or_nothing` 1.0 when every case passed, else 0.0."""
+    passed = sum(r.passed for r in results)
+    if all_or_nothing:
+        return float(passed == len(results))
+    return passed / len(results)
+
+
+@register_reward("code_sandbox")
+def code_sandbox_reward(response: str, ground_truth: Any, *, all_or_nothing: bool = False, timeout_s: float = 5.0,
+                        memory_mb: int = 512, **fields) -> float:
+    """The fraction of the task's tests (the ground truth: a JSON list of asserts) that the response's code (see
+    `extract_code`) passes, each test run in the sandbox; with `all_or_nothing`, 1.0 only when all pass. The
+    keywords set the limits (`timeout_s` also sets the CPU-time limit); a DAG reward node passes them as `kwargs`."""
+    limits = SandboxLimits(timeout_s=timeout_s, cpu_time_s=max(1, int(timeout_s + 0.999)), memory_bytes=memory_mb * 2**20)
+    return score_results(run_tests(extract_code(response), parse_tests(ground_truth), limits), all_or_nothing)
+
+
+@register_reward("code_sandbox_all")
+def code_sandbox_all_reward(response: str, ground_truth: Any, **fields) -> float:
+    """`code_sandbox` all or nothing: 1.0 when the response's code passes every test, else 0.0."""
+    return code_sandbox_reward(response, ground_truth, **{**fields, "all_or_nothing": True})
+
+
+def _run_in(root: str, code: str, test: str, limits: SandboxLimits) -> CaseResult:
+    work = os.path.join(root, "work")
+    os.mkdir(work, 0o700)
+    os.chmod(root, 0o711)  # the case may reach its working directory by absolute path, not list what lies beside it
+    drop_to = (NOBODY, NOBODY) if os.geteuid() == 0 else None
+    if drop_to:
+        os.chown(work, *drop_to)
+    nonce = secrets.token_hex(16)
+    verdict_r, verdict_w = os.pipe()
+    payload = os.path.join(root, "payload.json")
+    with open(os.open(payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump({"code": code, "test": test, "nonce": nonce, "verdict_fd": verdict_w, "drop_to": drop_to,
+                   "limits": asdict(limits)}, f)
+    env = {"PATH": _ENV_PATH, "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
+    start = time.monotonic()
+    try:
+        process = subprocess.Popen([sys.executable, "-I", "-S", "-B", _CHILD, payload], cwd=work, env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   pass_fds=(verdict_w,), start_new_session=True)
+    finally:
+        os.close(verdict_w)
+    with process, open(verdict_r, "rb", buffering=0) as verdict:
+        outputs = {process.stdout: bytearray(), process.stderr: bytearray()}
+        buffers = {**outputs, verdict: bytearray()}
+        ended = _watch(process, buffers, outputs, start + limits.timeout_s, limits.max_output_bytes)
+        _drain({verdict: buffers[verdict]}, outputs, limits.max_output_bytes)
+        cpu_time_s = _kill(process, _namespace_init(bytes(buffers[verdict]), nonce))
+        _drain(buffers, outputs, limits.max_output_bytes)
+    if ended == "exited" and _size(outputs) > limits.max_output_bytes:
+        ended = "output"
+    stdout, stderr = (outputs[s][:limits.max_output_bytes].decode(errors="replace")
+                      for s in (process.stdout, process.stderr))
+    status, reason = _verdict(ended, bytes(buffers[verdict]), nonce, process.returncode, cpu_time_s, limits)
+    return CaseResult(status, reason, stdout, stderr, time.monotonic() - start)
+
+
+def _namespace_init(verdict: bytes, nonce: str) -> int | None:
+    """The pid (here) of the case's PID-namespace init, as the child announced it; None without a namespace."""
+    for line in verdict.decode(errors="replace").splitlines():
+        key, _, rest = line.partition(" ")
+        kind, _, pid = rest.partition(" ")
+        if key == nonce and kind == "init" and pid.isdigit():
+            return int(pid)
+    return None
+
+
+def _kill(process: subprocess.Popen, init_pid: int | None) -> float:
+    """Kill everything the case started and wait until it is gone: the namespace's init (the kernel then kills
+    every process in the namespace before the init exits), then the session's process group, then reap. The CPU
+    seconds the case used (with the processes it reaped: the namespace's init, for one)."""
+    init = None
+    if init_pid is not None:
+        try:
+            init = os.pidfd_open(init_pid)  # the init itself even if its pid were reused; it is not our child
+        except ProcessLookupError:  # exited already, and with it the namespace
+            pass
+    try:
+        if init is not None:
+            try:
+                signal.pidfd_send_signal(init, signal.SIGKILL)
+                select.select([init], [], [], _KILL_WAIT_S)
+            except ProcessLookupError:  # exited between the two
+                pass
+    finally:
+        if init is not None:
+            os.close(init)
+        os.killpg(process.pid, signal.SIGKILL)  # before reaping, so the group id cannot have passed to another
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _watch(process: subprocess.Popen, buffers: dict, outputs: dict, deadline: float, max_output_bytes: int) -> str:
+    """Read the case's pipes into `buffers` until it exits ("exited"), runs past `deadline` ("timeout") or writes
+    more than `max_output_bytes` to its `outputs` ("output")."""
+    pidfd = os.pidfd_open(process.pid)  # readable once it exits; it is not reaped, so its group id stays its own
+    try:
+        with selectors.DefaultSelector() as selector:
+            for stream in buffers:
+                selector.register(stream, selectors.EVENT_READ)
+            selector.register(pidfd, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "timeout"
+                for key, _ in selector.select(left):
+                    if key.fileobj == pidfd:
+                        return "exited"
+                    if not _read_into(key.fileobj, buffers[key.fileobj], key.fileobj in outputs):
+                        selector.unregister(key.fileobj)
+                if _size(outputs) > max_output_bytes:
+                    return "output"
+    finally:
+        os.close(pidfd)
+
+
+def _read_into(stream, buffer: bytearray, is_output: bool) -> bool:
+    """Read a chunk of `stream` into `buffer`; False at its end. The verdict pipe keeps its first bytes only."""
+    chunk = os.read(stream.fileno(), _READ_CHUNK)
+    buffer += chunk if is_output else chunk[:max(0, _MAX_VERDICT_BYTES - len(buffer))]
+    return bool(chunk)
+
+
+def _size(outputs: dict) -> int:
+    return sum(len(buffer) for buffer in outputs.values())
+
+
+def _drain(buffers: dict, outputs: dict, max_output_bytes: int) -> None:
+    """What the pipes still hold, without waiting on a writer that escaped the kill."""
+    for stream, buffer in buffers.items():
+        os.set_blocking(stream.fileno(), False)
+        try:
+            while _size(outputs) <= max_output_bytes and _read_into(stream, buffer, stream in outputs):
+                pass
+        except BlockingIOError:
+            pass
+
+
+def _verdict(ended: str, verdict: bytes, nonce: str, returncode: int, cpu_time_s: float,
+             limits: SandboxLimits) -> tuple[str, str]:
+    if ended == "output":
+        return OUTPUT_LIMIT, f"wrote more than {limits.max_output_bytes} bytes to stdout and stderr"
+    if ended == "timeout":
+        return TIMEOUT, f"ran past the wall-clock limit of {limits.timeout_s} s and was killed"
+    for line in verdict.decode(errors="replace").splitlines():
+        key, _, rest = line.partition(" ")
+        status, _, reason = rest.partition(" ")
+        if key == nonce and status in STATUSES:
+            return status, reason
+    # SIGXCPU at the soft limit, or SIGKILL at the hard one: a namespace's init ignores SIGXCPU
+    if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or cpu_time_s >= limits.cpu_time_s:
+        return TIMEOUT, f"ran past the CPU-time limit of {limits.cpu_time_s} s and was killed"
+    died = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
+    return ERROR, f"the process {died} before its test finished"
+
+
+def _make_removable(function, path: str, exc_info) -> None:
+    """shutil.rmtree's onerror: a directory the code made unwritable (not root) is made writable and retried."""
+    os.chmod(os.path.dirname(path), 0o700)
+    function(path)
