@@ -7,8 +7,9 @@ What holds, per case (Linux only; `sandbox_child.py` sets it up before the untru
 By the kernel, always:
 - wall-clock limit `timeout_s`: the parent kills the case's whole session (`killpg`, SIGKILL) when it runs past it,
   and after every case, so nothing left in the session outlives it;
-- RLIMIT_CPU (`cpu_time_s`: SIGXCPU, then SIGKILL a second later), RLIMIT_AS (`memory_bytes`: allocations fail, a
-  MemoryError), RLIMIT_FSIZE (`max_file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE 0;
+- RLIMIT_CPU (`cpu_time_s`: SIGXCPU, then SIGKILL a second later; a PID namespace's init ignores SIGXCPU, so
+  there the SIGKILL ends it), RLIMIT_AS (`memory_bytes`: allocations fail, a MemoryError), RLIMIT_FSIZE
+  (`max_file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE 0;
 - output: stdout and stderr are pipes the parent reads; past `max_output_bytes` together it kills the case;
 - a fresh temporary working directory, removed after; an environment of PATH, HOME, TMPDIR and LANG only (no
   inherited secrets); an isolated interpreter (`-I -S -B`: no site-packages, no PYTHON* variables, no .pyc writes).
@@ -24,7 +25,8 @@ By the kernel, when the reward runs as root (as this project's machines and CI d
   servers included) and a PID namespace whose init is the case: when it exits or is killed, the kernel kills every
   process in it, even ones that left the session with setsid(); it dies with its parent (PR_SET_PDEATHSIG), and
   cannot see or signal processes outside. Where unshare is refused (no CAP_SYS_ADMIN), the case runs without them:
-  no network then rests on the hook, and a process that leaves the session lives until RLIMIT_CPU ends it.
+  no network then rests on the hook, and a process that leaves the session (setsid) escapes the kill: RLIMIT_CPU
+  ends it if it computes, a sleeping one lives on.
 
 Only by an audit hook inside the child interpreter (installed before the untrusted code runs; Python-level, so code
 that gets at raw syscalls past it is not stopped, which is why the kernel's limits come first):
@@ -39,6 +41,11 @@ that gets at raw syscalls past it is not stopped, which is why the kernel's limi
 - when not root, new processes (fork, exec, spawn, subprocess) are refused: RLIMIT_NPROC would count all of the
   user's processes and nothing would stop the code signalling them, so only the hook and the session kill hold.
 
+Not root, then: no privilege drop and no namespaces (unshare needs CAP_SYS_ADMIN), so the file system, the network,
+other processes of the same user and new processes rest on the hook alone; the rlimits and the wall-clock kill
+still hold, RLIMIT_NPROC counting the user's processes and threads on the whole machine (set `max_processes` above
+what the user runs, or a thread the code starts fails).
+
 A case passes only when the child writes its verdict line after the test ran, keyed with a nonce the code is not
 given: exiting early (sys.exit(0), os._exit(0)) or printing a verdict fails. Code that digs the nonce out of the
 interpreter's memory could forge one; and a test `assert f(x) == y` passes for an object whose `__eq__` says yes,
@@ -49,6 +56,7 @@ modules, `sandbox_child.PRELOADED`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -76,7 +84,8 @@ _ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
 _READ_CHUNK = 65536
 _MAX_VERDICT_BYTES = 4096
 _KILL_WAIT_S = 5.0  # for a killed namespace's init to exit; it exits once every process in it has
-_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
+_PYTHON_FENCES = ("python", "python3", "py")
 _slots = threading.BoundedSemaphore(MAX_CONCURRENT_CASES)
 
 
@@ -118,13 +127,12 @@ class CaseResult:
 
 
 def extract_code(response: str) -> str:
-    """The code in a response: its last ```python (or ```py, or bare ```) fenced block, the rest of the text after an
-    unclosed fence included; else the whole text."""
+    """The code in a response: its last ```python (or ```py) fenced block, else its last bare ``` block (a block
+    left unclosed, as a response cut off at the length limit leaves it, runs to the end); else the whole text."""
     blocks = _FENCE.findall(response)
-    python = [body for lang, body in blocks if lang]
-    if python or blocks:
-        return (python or [body for _, body in blocks])[-1]
-    return response
+    chosen = ([body for lang, body in blocks if lang.lower() in _PYTHON_FENCES]
+              or [body for lang, body in blocks if not lang])
+    return chosen[-1] if chosen else response
 
 
 def parse_tests(label: Any) -> list[str]:
@@ -177,7 +185,7 @@ def code_sandbox_reward(response: str, ground_truth: Any, *, all_or_nothing: boo
     """The fraction of the task's tests (the ground truth: a JSON list of asserts) that the response's code (see
     `extract_code`) passes, each test run in the sandbox; with `all_or_nothing`, 1.0 only when all pass. The
     keywords set the limits (`timeout_s` also sets the CPU-time limit); a DAG reward node passes them as `kwargs`."""
-    limits = SandboxLimits(timeout_s=timeout_s, cpu_time_s=max(1, int(timeout_s + 0.999)), memory_bytes=memory_mb * 2**20)
+    limits = SandboxLimits(timeout_s=timeout_s, cpu_time_s=max(1, math.ceil(timeout_s)), memory_bytes=memory_mb * 2**20)
     return score_results(run_tests(extract_code(response), parse_tests(ground_truth), limits), all_or_nothing)
 
 
@@ -298,8 +306,9 @@ def _drain(buffers: dict, outputs: dict, max_output_bytes: int) -> None:
     """What the pipes still hold, without waiting on a writer that escaped the kill."""
     for stream, buffer in buffers.items():
         os.set_blocking(stream.fileno(), False)
+        is_output = stream in outputs
         try:
-            while _size(outputs) <= max_output_bytes and _read_into(stream, buffer, stream in outputs):
+            while (not is_output or _size(outputs) <= max_output_bytes) and _read_into(stream, buffer, is_output):
                 pass
         except BlockingIOError:
             pass

@@ -122,8 +122,10 @@ def _hook(workdir: str, allow_processes: bool):
             raise PermissionError("sandbox: importing ctypes is refused")
         elif event in ("os.kill", "os.killpg") and args[0] not in (0, getpid()):
             raise PermissionError(f"sandbox: {event} of another process is refused")
-        elif not allow_processes and (event in _PROCESS_EVENTS or (event == "import" and args[0] == "_posixsubprocess")):
-            raise PermissionError(f"sandbox: {event} is refused (new processes run only when the sandbox drops "
+        elif not allow_processes and (event in _PROCESS_EVENTS
+                                      or (event == "import" and args[0] == "_posixsubprocess")):
+            what = f"importing {args[0]}" if event == "import" else event
+            raise PermissionError(f"sandbox: {what} is refused (new processes run only when the sandbox drops "
                                   "root, which makes the kernel count and kill them)")
 
     return hook
@@ -143,15 +145,15 @@ def _run(code: str, test: str, verdict_fd: int, nonce: str, write=os.write, exit
         exec(compile(test, "<test>", "exec"), namespace)
         status, reason = "passed", ""
     except AssertionError as e:
-        status, reason = ("failed", f"assertion failed: {e}") if part == "the test" else ("error", "the code raised AssertionError")
+        message = _message(e)
+        if part == "the test":
+            status, reason = "failed", f"assertion failed: {message or test.strip()}"
+        else:
+            status, reason = "error", f"the code raised AssertionError: {message}"
     except MemoryError:
         status, reason = "memory", f"{part} ran out of memory (MemoryError)"
     except BaseException as e:  # anything the untrusted code raises (SystemExit too) is its failure
-        try:
-            message = str(e)
-        except BaseException:
-            message = "<unprintable>"
-        status, reason = "error", f"{part} raised {type(e).__name__}: {message}"
+        status, reason = "error", f"{part} raised {type(e).__name__}: {_message(e)}"
     for stream in streams:  # what the code printed, before os._exit drops it
         try:
             stream.flush()
@@ -160,6 +162,13 @@ def _run(code: str, test: str, verdict_fd: int, nonce: str, write=os.write, exit
     reason = reason.replace("\n", " ")[:300]
     write(verdict_fd, f"{nonce} {status} {reason}\n".encode(errors="replace"))
     exit(0)
+
+
+def _message(error: BaseException, str=str, BaseException=BaseException) -> str:
+    try:
+        return str(error)
+    except BaseException:  # the code's own exception class, whose __str__ raises
+        return "<unprintable>"
 
 
 if __name__ == "__main__":
