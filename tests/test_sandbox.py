@@ -176,6 +176,19 @@ def test_the_case_runs_as_nobody_in_namespaces_of_its_own():
     assert run_case(code, "pass").status == PASSED
 
 
+@root_only
+def test_the_working_directory_is_a_capped_tmpfs_of_its_own():
+    limits = SandboxLimits(max_file_bytes=2**20, max_workdir_bytes=2**21)
+    code = ("for i in range(8):\n"
+            "    with open(f'part{i}', 'w') as f:\n"
+            "        f.write('x' * 2**19)\n")  # each file within RLIMIT_FSIZE, all of them past the tmpfs
+    result = run_case(code, "pass", limits)
+    assert result.status == ERROR and "No space left on device" in result.reason, result
+    assert run_case("open('one', 'w').write('x' * 2**21)", "pass", limits).reason.endswith("File too large")
+    with open("/proc/self/mounts") as f:
+        assert "baton-sandbox" not in f.read()  # the case's mount stayed in its namespace
+
+
 def test_writing_outside_the_sandbox_is_refused(tmp_path):
     targets = [str(tmp_path / "escaped.txt"), f"/tmp/baton-sandbox-escape-{os.getpid()}.txt"]  # /tmp: anyone writes
     for target in targets:

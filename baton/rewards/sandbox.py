@@ -21,6 +21,9 @@ By the kernel, when the reward runs as root (as this project's machines and CI d
 - RLIMIT_NPROC (`max_processes`) holds, which it does not for root. It counts every process of uid 65534 on the
   machine, so concurrent cases share it: a fork bomb in one case can make another case's forks fail until it is
   killed (that case then fails; nothing outside the sandbox does);
+- a mount namespace (private: nothing mounted there reaches the host) in which the working directory is a tmpfs
+  of `max_workdir_bytes`, so files written there stay in it, capped all together (RLIMIT_FSIZE caps each file),
+  and vanish with it;
 - a network namespace of its own (`unshare(CLONE_NEWNET)`: only a down loopback, so no connection anywhere, local
   servers included) and a PID namespace whose init is the case: when it exits or is killed, the kernel kills every
   process in it, even ones that left the session with setsid(); it dies with its parent (PR_SET_PDEATHSIG), and
@@ -98,6 +101,7 @@ class SandboxLimits:
     memory_bytes: int = 512 * 2**20  # RLIMIT_AS (address space, per process; the interpreter itself takes ~30 MiB)
     max_output_bytes: int = 64 * 2**10  # stdout and stderr together; past it the case is killed: output_limit
     max_file_bytes: int = 2**20  # RLIMIT_FSIZE: any file the case writes
+    max_workdir_bytes: int = 16 * 2**20  # all files together, when root: the working directory is a tmpfs this size
     max_processes: int = 64  # RLIMIT_NPROC for uid `nobody` (when root); see the module docstring
     max_open_files: int = 64  # RLIMIT_NOFILE
 

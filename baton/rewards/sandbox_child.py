@@ -15,7 +15,8 @@ PRELOADED = ("array", "bisect", "cmath", "collections", "copy", "datetime", "dec
              "fractions", "functools", "heapq", "itertools", "math", "operator", "random", "re", "statistics",
              "socket", "string", "textwrap", "typing", "unicodedata")  # socket: what stops a connection is then the
 # hook and the network namespace everywhere, not whether the stdlib happens to be readable
-CLONE_NEWNET, CLONE_NEWPID = 0x40000000, 0x20000000
+CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWNS = 0x40000000, 0x20000000, 0x00020000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG = 1
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.truncate": 1,
@@ -38,7 +39,7 @@ def main() -> None:
     for name in PRELOADED:
         __import__(name)
     libc = _libc()
-    pid_namespace = payload["drop_to"] is not None and _unshare(libc)
+    pid_namespace = payload["drop_to"] is not None and _unshare(libc, limits["max_workdir_bytes"], payload["drop_to"])
     if pid_namespace:  # this process stays outside and waits; its child is the new namespace's init
         alive_r, alive_w = os.pipe()
         pid = os.fork()
@@ -75,12 +76,16 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _unshare(libc) -> bool:
-    """A network namespace of its own (no interface but a down loopback) and a PID namespace for its children;
-    whether the PID namespace was made (each is tried alone when both together are refused)."""
-    if libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0:
-        return True
+def _unshare(libc, max_workdir_bytes: int, owner: tuple[int, int]) -> bool:
+    """A network namespace of its own (no interface but a down loopback), a mount namespace where the working
+    directory is a tmpfs of `max_workdir_bytes`, and a PID namespace for its children; each where the kernel allows
+    it. Whether the PID namespace was made."""
     libc.unshare(CLONE_NEWNET)
+    if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+        # only once nothing mounted here can reach the host's mounts
+        options = f"size={max_workdir_bytes},mode=0700,uid={owner[0]},gid={owner[1]}".encode()
+        if libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0:
+            os.chdir(os.getcwd())  # into the tmpfs, which now covers the directory this process was in
     return libc.unshare(CLONE_NEWPID) == 0
 
 
