@@ -56,10 +56,24 @@ async def generate_sample(args, sample: Sample, params: SamplingParams) -> Sampl
     return sample
 
 
+class GroupFailed(RuntimeError):
+    """Every sample of a group failed (e.g. its environment raised or hung): the group is dropped and counted."""
+
+
 async def generate_group(args, group: list[Sample], params: SamplingParams) -> list[Sample]:
     """Every sample of the group (concurrently), then its reward, unless a sample was aborted (the group is then
-    returned unrewarded, to go back to the buffer)."""
+    returned unrewarded, to go back to the buffer). A sample whose generation FAILED (a multi-turn episode whose
+    environment raised or hung) is taken out of the group and counted (`rollout/num_dropped/failed_samples`);
+    a group left with none raises GroupFailed."""
     await asyncio.gather(*(args.generate(sample, params) for sample in group))
+    failed = [sample for sample in group if sample.status == Status.FAILED]
+    if failed:
+        group[:] = [sample for sample in group if sample.status != Status.FAILED]
+        key = "rollout/num_dropped/failed_samples"
+        args.metrics[key] = args.metrics.get(key, 0.0) + float(len(failed))
+        if not group:
+            raise GroupFailed(f"every sample of group {failed[0].group_index} failed: "
+                              f"{failed[0].metadata.get('env_error', 'no reason recorded')}")
     if all(sample.status in TRAINABLE for sample in group) and any(s.reward is None for s in group):
         await args.reward(group)
     return group
@@ -111,6 +125,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
                 task.result()
             except RewardTimeout:
                 drops["reward_timeout"] += 1
+                continue
+            except GroupFailed:
+                drops["failed_groups"] += 1
                 continue
             if len(kept) >= needed:
                 data_source.add_samples([group])  # surplus: finished after the step had enough
@@ -176,8 +193,12 @@ async def eval_rollout_async(args, rollout_id: int, data_sources: dict, evaluati
     out = {}
     for name, source in data_sources.items():
         groups = source.get_samples(len(source.dataset))
-        await asyncio.gather(*(generate_group(args, group, args.sampling_params) for group in groups))
-        out[name] = groups
+        results = await asyncio.gather(*(generate_group(args, group, args.sampling_params) for group in groups),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, GroupFailed):
+                raise result
+        out[name] = [group for group, result in zip(groups, results) if not isinstance(result, GroupFailed)]
     return out
 
 
@@ -205,6 +226,6 @@ def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) ->
     return groups
 
 
-__all__ = ["RolloutStalledError", "abort_groups", "eval_rollout", "eval_rollout_async", "generate_group", "generate_rollout", "generate_rollout_async",
+__all__ = ["GroupFailed", "RolloutStalledError", "abort_groups", "eval_rollout", "eval_rollout_async", "generate_group", "generate_rollout", "generate_rollout_async",
            "generate_sample", "nonzero_reward_std", "reset_sample", "sft_rollout", "too_stale"]
 

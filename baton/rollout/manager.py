@@ -31,8 +31,8 @@ from baton.engines.protocol import GenerationRequest, GenerationResult
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.data_source import RolloutDataSource
 from baton.rollout.dump import load_rollout, save_rollout
-from baton.rollout.functions import (RolloutStalledError, abort_groups, generate_group, generate_sample, reset_sample,
-                                     too_stale)
+from baton.rollout.functions import (GroupFailed, RolloutStalledError, abort_groups, generate_group, generate_sample,
+                                     reset_sample, too_stale)
 from baton.rollout.reward import GroupRewarder, RewardTimeout
 from baton.rollout.router import Router
 from baton.rollout.sample import Sample, Status, samples_to_data
@@ -69,6 +69,7 @@ class RolloutContext:
         self._ids = itertools.count()
         self._request_ids: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
         self.response_key = manager.response_key  # the dataset field SFT trains on (`sft_rollout`)
+        self.extras = manager.extras  # what the pipeline hands its custom functions (the agentic one: its envs)
         self._generate = _load(self.config.generate_function, "generate_function") or generate_sample
         self._filter = _load(self.config.dynamic_filter, "dynamic_filter")
 
@@ -141,6 +142,7 @@ class RolloutManager:
         self.eval_sets = eval_sets or {}
         self.eval_sampling_params = eval_sampling_params or SamplingParams(temperature=0.0, n=1)
         self.max_prompt_len, self.response_key = max_prompt_len, response_key
+        self.extras: dict[str, Any] = {}  # every context's `extras`: what a pipeline hands its custom functions
         self.rollout_fn = _load(config.rollout_function, "rollout_function")
         self.eval_fn = _load(config.eval_function, "eval_function")
         self.rewarder = GroupRewarder(reward_fn, on_error=reward_on_error, num_processes=reward_num_processes,
@@ -236,6 +238,9 @@ class RolloutManager:
                     task.result()
                 except RewardTimeout:
                     _count(ctx, "reward_timeout")
+                    continue
+                except GroupFailed:
+                    _count(ctx, "failed_groups")
                     continue
                 keep, reason = ctx.keep(group)
                 if keep:

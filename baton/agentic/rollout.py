@@ -1,0 +1,135 @@
+"""Multi-turn trajectories on the rollout system: a custom generate function (slime's contract) that plays one
+episode of an environment per sample, and the reward function that hands the episode's reward to training.
+
+A trajectory is one token sequence after the prompt (the environment's first observation): the model's turn, the
+environment's answer, the model's next turn, ... Each turn is one engine request whose prompt is the whole
+conversation so far (with the sample's conversation as its affinity key, so it stays on one engine's prefix
+cache) and which stops at a newline or eos. The loss mask is 1 on the model's tokens and 0 on every environment
+token (whose log-probs are 0.0 and weight versions -1). The episode ends when the environment says done
+(COMPLETED), at `max_turns`, or when the sequence reaches `max_tokens` (TRUNCATED). Its reward is the sum of the
+turns' rewards; `turns` and `success` (the environment ended the episode with a positive reward) ride along.
+An environment that raises, hangs past `env_timeout_s` or dies marks its sample FAILED: the rollout drops it
+(`rollout/num_dropped/failed_samples`) and keeps the rest of its group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.agentic.pool import EnvError
+from baton.engines.protocol import GenerationRequest
+from baton.rollout.sample import Sample, Status
+from baton.strategy import SamplingParams
+
+_episodes = itertools.count()
+
+
+@dataclass
+class AgenticSettings:
+    """The environment and the limits of a trajectory.
+
+    env / env_kwargs: the environment factory ("package.module:Class") and its arguments. max_turns: model turns
+    per episode at most. max_tokens_per_turn: one turn's tokens at most. max_tokens: the whole trajectory's
+    tokens (model and environment) at most. env_timeout_s: one environment call at most (then the sample
+    fails). num_env_processes: the processes the environments run in. num_train_episodes / num_val_episodes:
+    the episodes (environment seeds 0.. and 1_000_000..) that make the training prompts and the held-out set.
+    """
+
+    env: str = "baton.agentic.env:GuessNumberEnv"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4
+    max_tokens_per_turn: int = 6
+    max_tokens: int = 64
+    env_timeout_s: float = 10.0
+    num_env_processes: int = 8
+    num_train_episodes: int = 2000
+    num_val_episodes: int = 100
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_tokens_per_turn", "max_tokens", "num_env_processes", "num_train_episodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agentic.{name}={getattr(self, name)} must be >= 1")
+        if self.num_val_episodes < 0:
+            raise ValueError(f"agentic.num_val_episodes={self.num_val_episodes} must be >= 0")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"agentic.env_timeout_s={self.env_timeout_s} must be > 0")
+
+
+VAL_SEED_OFFSET = 1_000_000
+
+
+def episode_rows(settings: AgenticSettings, seeds) -> list[dict[str, Any]]:
+    """Prompt rows, one per environment seed: the episode's first observation as the prompt, the seed in
+    `env_seed` (the generate function resets the environment with it)."""
+    from baton.config import import_object
+
+    env = import_object(settings.env)(**settings.env_kwargs)
+    return [{"prompt": env.reset(seed), "env_seed": int(seed)} for seed in seeds]
+
+
+async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> Sample:
+    """One episode for `sample` (see the module docstring); `args.extras` holds the pipeline's `agentic`
+    settings and `env_pool`."""
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED):  # played already (a surplus group put back)
+        return sample
+    settings: AgenticSettings = args.extras["agentic"]
+    pool = args.extras["env_pool"]
+    tokenizer = args.tokenizer
+    stop = (tokenizer.convert_tokens_to_ids("\n"), tokenizer.eos_token_id)
+    key = f"g{sample.group_index}-s{sample.sample_index}-e{next(_episodes)}"
+    ids: list[int] = []
+    mask: list[int] = []
+    log_probs: list[float] = []
+    versions: list[int] = []
+    rewards: list[float] = []
+    done = False
+    try:
+        await pool.reset(key, sample.metadata["env_seed"])
+        while not done and len(rewards) < settings.max_turns and len(ids) < settings.max_tokens:
+            turn = len(rewards)
+            seed = None if sample.seed is None else (sample.seed + turn) % (1 << 62)
+            turn_params = dataclasses.replace(params, n=1, seed=seed, stop_token_ids=stop,
+                                              max_new_tokens=min(settings.max_tokens_per_turn,
+                                                                 settings.max_tokens - len(ids)))
+            request = GenerationRequest(args.request_id(sample), tuple(sample.prompt_ids) + tuple(ids), turn_params)
+            result = await args.generate_request(request, affinity_key=key)
+            if result.finish_reason == "abort":  # a trajectory does not resume part-way: played again from the start
+                sample.status = Status.ABORTED
+                return sample
+            ids += result.response_ids
+            mask += [1] * len(result.response_ids)
+            log_probs += result.log_probs
+            versions += result.weight_versions
+            action = tokenizer.decode(result.response_ids, skip_special_tokens=True)
+            observation, reward, done, _ = await pool.step(key, action)
+            rewards.append(float(reward))
+            if not done:
+                observed = tokenizer(observation, add_special_tokens=False)["input_ids"][:settings.max_tokens - len(ids)]
+                ids += observed
+                mask += [0] * len(observed)
+                log_probs += [0.0] * len(observed)
+                versions += [-1] * len(observed)
+    except EnvError as error:
+        sample.status = Status.FAILED
+        sample.metadata["env_error"] = str(error).splitlines()[0]
+        return sample
+    finally:
+        await pool.close(key)
+    total = float(sum(rewards))
+    sample.response_ids, sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = ids, mask, log_probs, versions
+    sample.response = tokenizer.decode(ids, skip_special_tokens=True)
+    sample.status = Status.COMPLETED if done else Status.TRUNCATED
+    sample.metadata["trajectory_reward"] = {"score": total, "turns": float(len(rewards)),
+                                            "success": float(done and total > 0)}
+    return sample
+
+
+def trajectory_reward(args, sample: Sample) -> dict[str, float]:
+    """The episode's reward, as `generate_trajectory` recorded it."""
+    return dict(sample.metadata["trajectory_reward"])
+
+
+__all__ = ["AgenticSettings", "VAL_SEED_OFFSET", "episode_rows", "generate_trajectory", "trajectory_reward"]

@@ -1,0 +1,101 @@
+"""Agentic multi-turn RL (ROLL's agentic pipeline) on the rollout system: each sample is an episode of an
+environment played turn by turn against the engines (`baton.agentic.rollout.generate_trajectory`), the environments
+in processes of their own (`baton.agentic.pool.EnvPool`), and GRPO (or any of the algorithms) trains on the
+trajectories with the environment's tokens masked out of the loss. The prompts are the episodes' first
+observations: `agentic.num_train_episodes` environment seeds for training, `agentic.num_val_episodes` others
+held out, where `val/accuracy` is the share of episodes the greedy policy wins (a reward >= 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from baton.agentic.pool import EnvPool
+from baton.agentic.rollout import VAL_SEED_OFFSET, AgenticSettings, episode_rows
+from baton.config import ConfigError
+from baton.datasets import PromptDataset
+from baton.models import load_tokenizer
+from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
+
+GENERATE = "baton.agentic.rollout:generate_trajectory"
+REWARD = "baton.agentic.rollout:trajectory_reward"
+
+
+@dataclass
+class AgenticConfig(RolloutRLVRConfig):
+    """`RolloutRLVRConfig` with an environment (`agentic`; see `AgenticSettings`). The rollout system's generate and
+    reward functions default to the trajectory ones; `sampling` sets the temperature and the samples per episode
+    (its max_new_tokens is not used: the agentic settings bound the turns and the trajectory)."""
+
+    pipeline_cls: str = "baton.pipelines.agentic:AgenticPipeline"
+    agentic: AgenticSettings = field(default_factory=AgenticSettings)
+
+    def __post_init__(self):
+        system = self.rollout_system
+        self.rollout_system = dataclasses.replace(system, generate_function=system.generate_function or GENERATE,
+                                                  reward_function=system.reward_function or REWARD)
+
+    def check(self) -> None:
+        super().check()
+        if self.rollout_system.partial_rollout:
+            raise ConfigError("rollout_system.partial_rollout: an episode does not resume part-way (its environment's "
+                              "state is gone); set partial_rollout: false, and an aborted episode is played again")
+        if self.loss != "policy":
+            raise ConfigError(f"loss {self.loss!r}: agentic runs train the policy on its trajectories; use loss: policy")
+
+
+class AgenticPipeline(RolloutRLVRPipeline):
+    config_cls = AgenticConfig
+
+    @classmethod
+    def load_data(cls, config: AgenticConfig):
+        """The episodes as prompt datasets: (train, val, tokenizer)."""
+        settings = config.agentic
+        try:
+            train = episode_rows(settings, range(settings.num_train_episodes))
+            val = episode_rows(settings, range(VAL_SEED_OFFSET, VAL_SEED_OFFSET + settings.num_val_episodes))
+        except Exception as error:
+            raise ConfigError(f"agentic.env {settings.env!r} with env_kwargs {settings.env_kwargs}: its reset() "
+                              f"failed: {type(error).__name__}: {error}") from error
+        tokenizer = load_tokenizer(config.actor.strategy.tokenizer)
+        return (PromptDataset(train, answer_key=None, source=f"{settings.env} episodes"),
+                PromptDataset(val, answer_key=None, source=f"{settings.env} held-out episodes") if val else None,
+                tokenizer)
+
+    def __init__(self, config: AgenticConfig):
+        settings = config.agentic
+        self.env_pool = EnvPool(settings.env, settings.env_kwargs, settings.num_env_processes, settings.env_timeout_s)
+        try:
+            super().__init__(config)
+        except BaseException:
+            self.env_pool.close_pool()
+            raise
+        self.rollouts.extras.update(agentic=settings, env_pool=self.env_pool)
+
+    def make_probe(self):
+        """The weight-sync probe: the log-prob of each of a few first observations' last character."""
+        from baton.workers.weight_sync import probe_batch
+
+        data = self.val_data if self.val_data is not None and len(self.val_data) else self.train_data
+        return probe_batch(self.tokenizer, [str(data[i]["prompt"]) for i in range(min(4, len(data)))], 1)
+
+    def rollout_metrics(self, batch) -> dict[str, float]:
+        """RLVR's batch metrics, and the trajectories': turns per episode, success rate, environment tokens."""
+        metrics = super().rollout_metrics(batch)
+        data = batch.batch
+        if "reward_extra/success" in data:
+            metrics["agentic/success_rate"] = float(data["reward_extra/success"].float().mean())
+            metrics["agentic/turns/mean"] = float(data["reward_extra/turns"].float().mean())
+        env_tokens = (data["attention_mask"][:, -data["responses"].shape[1]:].bool() & ~data["response_mask"].bool())
+        metrics["agentic/env_tokens/mean"] = float(env_tokens.sum(-1).float().mean())
+        return metrics
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.env_pool.close_pool()
+
+
+__all__ = ["AgenticConfig", "AgenticPipeline"]

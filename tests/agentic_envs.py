@@ -1,0 +1,39 @@
+"""Environments that misbehave, for tests/test_agentic.py: a module of their own with light imports, as an
+environment process imports the module that defines its environment."""
+
+from __future__ import annotations
+
+import time
+
+from baton.agentic.env import GuessNumberEnv
+
+
+class BrokenEnv(GuessNumberEnv):
+    """Guess-the-number whose odd seeds raise in reset and whose seeds divisible by 4 hang in step."""
+
+    def reset(self, seed: int) -> str:
+        if seed % 2:
+            raise ValueError(f"seed {seed} is broken")
+        self.seed = seed
+        return super().reset(seed)
+
+    def step(self, action: str):
+        if self.seed % 4 == 0:
+            time.sleep(3600)
+        return super().step(action)
+
+
+class FlakyEnv(GuessNumberEnv):
+    """Guess-the-number that raises in step for seeds 1 mod 4 and hangs for seeds 3 mod 4 (its resets work, so
+    the driver can build the prompts)."""
+
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return super().reset(seed)
+
+    def step(self, action: str):
+        if self.seed % 4 == 1:
+            raise RuntimeError("the game crashed")
+        if self.seed % 4 == 3:
+            time.sleep(3600)
+        return super().step(action)
