@@ -177,7 +177,7 @@ def test_the_case_runs_as_nobody_in_namespaces_of_its_own():
 
 
 @root_only
-def test_the_working_directory_is_a_capped_tmpfs_of_its_own():
+def test_the_working_directory_is_a_capped_tmpfs_and_every_other_mount_read_only():
     limits = SandboxLimits(max_file_bytes=2**20, max_workdir_bytes=2**21)
     code = ("for i in range(8):\n"
             "    with open(f'part{i}', 'w') as f:\n"
@@ -187,6 +187,12 @@ def test_the_working_directory_is_a_capped_tmpfs_of_its_own():
     assert run_case("open('one', 'w').write('x' * 2**21)", "pass", limits).reason.endswith("File too large")
     with open("/proc/self/mounts") as f:
         assert "baton-sandbox" not in f.read()  # the case's mount stayed in its namespace
+    read_only = ("import os\n"
+                 "for path in ('/', '/tmp', '/dev/shm', os.path.dirname(os.getcwd())):\n"
+                 "    assert os.statvfs(path).f_flag & os.ST_RDONLY, path\n"
+                 "assert not os.statvfs('.').f_flag & os.ST_RDONLY\n"
+                 "open('/dev/null', 'w').write('x')\n")
+    assert run_case(read_only, "pass").status == PASSED  # so writes outside are refused by the kernel too
 
 
 def test_writing_outside_the_sandbox_is_refused(tmp_path):

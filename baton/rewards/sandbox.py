@@ -15,15 +15,16 @@ By the kernel, always:
   inherited secrets); an isolated interpreter (`-I -S -B`: no site-packages, no PYTHON* variables, no .pyc writes).
 
 By the kernel, when the reward runs as root (as this project's machines and CI do):
-- the case drops to `nobody` (uid/gid 65534, no supplementary groups): writes outside its working directory are
-  refused by file permissions except in world-writable directories (/tmp, /dev/shm), and files not readable by
-  others (mode 0600, /root) cannot be read;
+- the case drops to `nobody` (uid/gid 65534, no supplementary groups): files not readable by others (mode 0600,
+  /root) cannot be read, and, should the mount namespace below be refused, writes outside its working directory
+  are refused by file permissions except in world-writable directories (/tmp, /dev/shm);
 - RLIMIT_NPROC (`max_processes`) holds, which it does not for root. It counts every process of uid 65534 on the
   machine, so concurrent cases share it: a fork bomb in one case can make another case's forks fail until it is
   killed (that case then fails; nothing outside the sandbox does);
-- a mount namespace (private: nothing mounted there reaches the host) in which the working directory is a tmpfs
-  of `max_workdir_bytes`, so files written there stay in it, capped all together (RLIMIT_FSIZE caps each file),
-  and vanish with it;
+- a mount namespace (private: nothing mounted there reaches the host) in which every mount is read-only (so no
+  write anywhere, world-writable /tmp and /dev/shm included; device nodes such as /dev/null stay writable) but the
+  working directory, a tmpfs of `max_workdir_bytes`: files written there stay in it, capped all together
+  (RLIMIT_FSIZE caps each file), and vanish with it;
 - a network namespace of its own (`unshare(CLONE_NEWNET)`: only a down loopback, so no connection anywhere, local
   servers included) and a PID namespace whose init is the case: when it exits or is killed, the kernel kills every
   process in it, even ones that left the session with setsid(); it dies with its parent (PR_SET_PDEATHSIG), and
@@ -34,9 +35,8 @@ By the kernel, when the reward runs as root (as this project's machines and CI d
 Only by an audit hook inside the child interpreter (installed before the untrusted code runs; Python-level, so code
 that gets at raw syscalls past it is not stopped, which is why the kernel's limits come first):
 - sockets (every `socket.*` event) and ctypes (import and every `ctypes.*` event) are refused;
-- open() for writing, and remove/rename/mkdir/chmod/symlink/... outside the working directory are refused, which
-  covers the world-writable directories that permissions leave open (a symlink swapped between the check and the
-  open can race it);
+- open() for writing, and remove/rename/mkdir/chmod/symlink/... outside the working directory are refused (the
+  only guard on writes when not root; a symlink swapped between the check and the open can race it);
 - open() for reading and listdir outside the working directory and the stdlib are refused (world-readable files
   such as /etc/passwd or the project's source are otherwise readable by `nobody`);
 - signals to other processes, sys.settrace/setprofile/_getframe and gc.get_objects/referrers (ways to rewrite the

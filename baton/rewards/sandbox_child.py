@@ -16,8 +16,9 @@ PRELOADED = ("array", "bisect", "cmath", "collections", "copy", "datetime", "dec
              "socket", "string", "textwrap", "typing", "unicodedata")  # socket: what stops a connection is then the
 # hook and the network namespace everywhere, not whether the stdlib happens to be readable
 CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWNS = 0x40000000, 0x20000000, 0x00020000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 1 << 12, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG = 1
+_KEPT_FLAGS = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME  # = the MS_* bits
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.truncate": 1,
                 "os.utime": 1, "os.setxattr": 1, "os.removexattr": 1, "os.chdir": 1,
@@ -83,10 +84,25 @@ def _unshare(libc, max_workdir_bytes: int, owner: tuple[int, int]) -> bool:
     libc.unshare(CLONE_NEWNET)
     if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
         # only once nothing mounted here can reach the host's mounts
+        _remount_read_only(libc)
         options = f"size={max_workdir_bytes},mode=0700,uid={owner[0]},gid={owner[1]}".encode()
         if libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0:
             os.chdir(os.getcwd())  # into the tmpfs, which now covers the directory this process was in
     return libc.unshare(CLONE_NEWPID) == 0
+
+
+def _remount_read_only(libc) -> None:
+    """Every mount of this (private) mount namespace read-only, keeping its nosuid/nodev/noexec; device nodes such
+    as /dev/null stay writable, a read-only mount does not stop writes to a device."""
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1] for line in f]
+    for point in dict.fromkeys(points):
+        point = point.encode().decode("unicode_escape").encode("latin-1")  # /proc/mounts writes a space as \040
+        try:
+            flags = os.statvfs(point).f_flag & _KEPT_FLAGS
+        except OSError:
+            continue
+        libc.mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None)
 
 
 def _wait_and_exit(pid: int) -> None:
@@ -97,6 +113,7 @@ def _wait_and_exit(pid: int) -> None:
 def _hook(workdir: str, allow_processes: bool):
     """The audit hook: no sockets, no ctypes, no writes outside `workdir`, no reads outside it and the stdlib, no
     signals to other processes, no frame tracing or walking; no new processes unless the kernel contains them."""
+    writable = (workdir, "/dev/null")
     readable = tuple(os.path.realpath(p) for p in sys.path if p) + (workdir, "/dev/null", "/dev/urandom")
     realpath, fspath, getpid, startswith = os.path.realpath, os.fspath, os.getpid, str.startswith
 
@@ -112,7 +129,7 @@ def _hook(workdir: str, allow_processes: bool):
         if event == "open":
             path, mode, flags = args
             writing = bool(flags & _WRITE_FLAGS) or any(c in (mode or "") for c in "wax+")
-            if path is not None and not inside(path, (workdir,) if writing else readable):
+            if path is not None and not inside(path, writable if writing else readable):
                 raise PermissionError(f"sandbox: opening {path!r} {'to write' if writing else 'to read'} is refused")
         elif event in _PATH_EVENTS:
             for path in args[:_PATH_EVENTS[event]]:
