@@ -81,6 +81,14 @@ def test_exiting_early_or_printing_a_verdict_fails():
         assert result.status in (ERROR, FAILED), (code, result)
 
 
+def test_reaching_the_harness_frames_is_refused():
+    for code in ("try:\n    raise ValueError\nexcept ValueError as e:\n    e.__traceback__.tb_frame.f_back.f_locals",
+                 "import sys; sys._getframe(1)", "import gc; gc.get_objects()",
+                 "import sys; sys.settrace(lambda *a: None)"):
+        result = run_case(code + "\ndef f(): return 0", "assert f() == 1")
+        assert result.status == ERROR and "refused" in result.reason, (code, result)
+
+
 def test_output_comes_back():
     result = run_case("print('to stdout'); import sys; print('to stderr', file=sys.stderr)", "pass")
     assert result.status == PASSED
@@ -312,7 +320,7 @@ def test_scoring_pool_processes_survive_hostile_rows():
     pool = ScoringPool("code_sandbox", num_processes=2, timeout_s_per_row=30)
     try:
         tests = json.dumps(["assert f() == 1"])
-        responses = ["def f(): return 1", "import os; os.kill(os.getppid(), 9)", "while True: pass",
+        responses = ["def f(): return 1", "import os; os.kill(os.getppid(), 9)", "import os; os._exit(1)",
                      "x = bytearray(2**40)", "def f(): return 1"]
         scores = score_rows("code_sandbox", responses, [tests] * len(responses), {}, pool=pool)
         assert scores.scores == [1.0, 0.0, 0.0, 0.0, 1.0] and scores.num_errors == 0

@@ -39,8 +39,9 @@ that gets at raw syscalls past it is not stopped, which is why the kernel's limi
   only guard on writes when not root; a symlink swapped between the check and the open can race it);
 - open() for reading and listdir outside the working directory and the stdlib are refused (world-readable files
   such as /etc/passwd or the project's source are otherwise readable by `nobody`);
-- signals to other processes, sys.settrace/setprofile/_getframe and gc.get_objects/referrers (ways to rewrite the
-  test's frame) are refused;
+- signals to other processes are refused, and so are the ways to reach the harness's frames (to rewrite the test
+  as it runs, or read the verdict's nonce): sys.settrace/setprofile/_getframe, gc.get_objects/referrers, and
+  reading a traceback's, generator's or coroutine's frame;
 - when not root, new processes (fork, exec, spawn, subprocess) are refused: RLIMIT_NPROC would count all of the
   user's processes and nothing would stop the code signalling them, so only the hook and the session kill hold.
 
@@ -50,10 +51,10 @@ still hold, RLIMIT_NPROC counting the user's processes and threads on the whole 
 what the user runs, or a thread the code starts fails).
 
 A case passes only when the child writes its verdict line after the test ran, keyed with a nonce the code is not
-given: exiting early (sys.exit(0), os._exit(0)) or printing a verdict fails. Code that digs the nonce out of the
-interpreter's memory could forge one; and a test `assert f(x) == y` passes for an object whose `__eq__` says yes,
-so write tests that check the type where it matters. Each case pays an interpreter start (~40 ms with the preloaded
-modules, `sandbox_child.PRELOADED`).
+given: exiting early (sys.exit(0), os._exit(0)) or printing a verdict fails. Code that still digs the nonce out of
+the interpreter (the frame a signal handler is handed, say) could forge one; and a test `assert f(x) == y` passes
+for an object whose `__eq__` says yes, so write tests that check the type where it matters. Each case costs an
+interpreter start, ~60 ms of CPU with the preloaded modules (`sandbox_child.PRELOADED`) and the namespaces.
 """
 
 from __future__ import annotations

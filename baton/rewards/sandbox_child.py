@@ -26,6 +26,7 @@ _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os
 _READ_EVENTS = ("os.listdir", "os.scandir")
 _REFUSED = ("sys.settrace", "sys.setprofile", "sys._getframe", "sys._current_frames", "gc.get_objects",
             "gc.get_referrers", "gc.get_referents")  # ways to rewrite or read the harness's frames
+_FRAME_ATTRIBUTES = ("tb_frame", "gi_frame", "cr_frame", "ag_frame")  # read through the "object.__getattr__" event
 _PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
                    "subprocess.Popen", "pty.spawn")
 
@@ -57,6 +58,7 @@ def main() -> None:
         libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # after setuid, which clears it: die with the waiting parent
         if select.select([alive_r], [], [], 0)[0]:  # it died before the prctl took hold
             os._exit(1)
+        os.close(alive_r)
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]
     del libc
@@ -112,7 +114,8 @@ def _wait_and_exit(pid: int) -> None:
 
 def _hook(workdir: str, allow_processes: bool):
     """The audit hook: no sockets, no ctypes, no writes outside `workdir`, no reads outside it and the stdlib, no
-    signals to other processes, no frame tracing or walking; no new processes unless the kernel contains them."""
+    signals to other processes, no frame tracing or walking (the harness's frame holds the verdict's nonce); no
+    new processes unless the kernel contains them."""
     writable = (workdir, "/dev/null")
     readable = tuple(os.path.realpath(p) for p in sys.path if p) + (workdir, "/dev/null", "/dev/urandom")
     realpath, fspath, getpid, startswith = os.path.realpath, os.fspath, os.getpid, str.startswith
@@ -138,7 +141,8 @@ def _hook(workdir: str, allow_processes: bool):
         elif event in _READ_EVENTS:
             if args and args[0] is not None and not inside(args[0], readable):
                 raise PermissionError(f"sandbox: {event} of {args[0]!r} is refused")
-        elif event.startswith(("socket.", "ctypes.")) or event in _REFUSED:
+        elif event.startswith(("socket.", "ctypes.")) or event in _REFUSED or (
+                event == "object.__getattr__" and args[1] in _FRAME_ATTRIBUTES):
             raise PermissionError(f"sandbox: {event} is refused")
         elif event == "import" and (args[0] == "ctypes" or startswith(args[0], "_ctypes")):
             raise PermissionError("sandbox: importing ctypes is refused")
