@@ -40,8 +40,8 @@ that gets at raw syscalls past it is not stopped, which is why the kernel's limi
 - open() for reading and listdir outside the working directory and the stdlib are refused (world-readable files
   such as /etc/passwd or the project's source are otherwise readable by `nobody`);
 - signals to other processes are refused, and so are the ways to reach the harness's frames (to rewrite the test
-  as it runs, or read the verdict's nonce): sys.settrace/setprofile/_getframe, gc.get_objects/referrers, and
-  reading a traceback's, generator's or coroutine's frame;
+  as it runs, or read the verdict's nonce): sys.settrace/setprofile/_getframe, gc.get_objects/referrers,
+  reading a traceback's, generator's or coroutine's frame, and importing signal (a handler is handed a frame);
 - when not root, new processes (fork, exec, spawn, subprocess) are refused: RLIMIT_NPROC would count all of the
   user's processes and nothing would stop the code signalling them, so only the hook and the session kill hold.
 
@@ -52,7 +52,7 @@ what the user runs, or a thread the code starts fails).
 
 A case passes only when the child writes its verdict line after the test ran, keyed with a nonce the code is not
 given: exiting early (sys.exit(0), os._exit(0)) or printing a verdict fails. Code that still digs the nonce out of
-the interpreter (the frame a signal handler is handed, say) could forge one; and a test `assert f(x) == y` passes
+the interpreter by a way the hook misses could forge one; and a test `assert f(x) == y` passes
 for an object whose `__eq__` says yes, so write tests that check the type where it matters. Each case costs an
 interpreter start, ~60 ms of CPU with the preloaded modules (`sandbox_child.PRELOADED`) and the namespaces.
 """

@@ -26,6 +26,8 @@ _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os
 _READ_EVENTS = ("os.listdir", "os.scandir")
 _REFUSED = ("sys.settrace", "sys.setprofile", "sys._getframe", "sys._current_frames", "gc.get_objects",
             "gc.get_referrers", "gc.get_referents")  # ways to rewrite or read the harness's frames
+# ctypes reaches past the hook; a signal handler is handed the frame it interrupts
+_UNIMPORTABLE = ("ctypes", "_ctypes", "signal", "_signal")
 _FRAME_ATTRIBUTES = ("tb_frame", "gi_frame", "cr_frame", "ag_frame")  # read through the "object.__getattr__" event
 _PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
                    "subprocess.Popen", "pty.spawn")
@@ -59,7 +61,7 @@ def main() -> None:
         if select.select([alive_r], [], [], 0)[0]:  # it died before the prctl took hold
             os._exit(1)
         os.close(alive_r)
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+    for name in [m for m in sys.modules if m.startswith(_UNIMPORTABLE)]:
         del sys.modules[name]
     del libc
     sys.addaudithook(_hook(os.path.realpath(os.getcwd()), allow_processes=payload["drop_to"] is not None))
@@ -144,8 +146,8 @@ def _hook(workdir: str, allow_processes: bool):
         elif event.startswith(("socket.", "ctypes.")) or event in _REFUSED or (
                 event == "object.__getattr__" and args[1] in _FRAME_ATTRIBUTES):
             raise PermissionError(f"sandbox: {event} is refused")
-        elif event == "import" and (args[0] == "ctypes" or startswith(args[0], "_ctypes")):
-            raise PermissionError("sandbox: importing ctypes is refused")
+        elif event == "import" and startswith(args[0], _UNIMPORTABLE):
+            raise PermissionError(f"sandbox: importing {args[0]} is refused")
         elif event in ("os.kill", "os.killpg") and args[0] not in (0, getpid()):
             raise PermissionError(f"sandbox: {event} of another process is refused")
         elif not allow_processes and (event in _PROCESS_EVENTS
