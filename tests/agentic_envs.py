@@ -3,13 +3,15 @@ environment process imports the module that defines its environment."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from baton.agentic.env import GuessNumberEnv
 
 
 class BrokenEnv(GuessNumberEnv):
-    """Guess-the-number whose odd seeds raise in reset and whose seeds divisible by 4 hang in step."""
+    """Guess-the-number whose odd seeds raise in reset, whose seeds divisible by 4 hang in step, and whose seed 6
+    kills its process in step."""
 
     def reset(self, seed: int) -> str:
         if seed % 2:
@@ -20,6 +22,8 @@ class BrokenEnv(GuessNumberEnv):
     def step(self, action: str):
         if self.seed % 4 == 0:
             time.sleep(3600)
+        if self.seed == 6:
+            os._exit(1)
         return super().step(action)
 
 

@@ -62,25 +62,32 @@ def test_the_calculator_tool_evaluates_arithmetic_only():
             evaluate_arithmetic(bad)
 
 
-def test_the_pool_runs_each_episode_in_a_process_and_contains_failures():
+def test_the_pool_contains_an_environment_that_raises_hangs_or_dies():
     async def scenario(pool: EnvPool):
         assert await pool.reset("good", 2) == "guess 1-8\n"
-        with pytest.raises(EnvError, match=r"episode 'odd': the environment raised in reset\(\): ValueError: seed 1"):
+        with pytest.raises(EnvError, match=r"episode 'odd': reset\(\) failed: the environment raised: ValueError: seed 1"):
             await pool.reset("odd", 1)
         await pool.close("odd")
         start = time.monotonic()
         await pool.reset("hangs", 4)
-        with pytest.raises(EnvError, match=r"ran past 1 s \(env timeout_s\) in step\(\); its process was restarted"):
+        with pytest.raises(EnvError, match=r"'hangs': the environment ran past 1 s \(env timeout_s\) in step\(\)"):
             await pool.step("hangs", "1")
         assert time.monotonic() - start < 30
-        with pytest.raises(EnvError, match="'hangs' was lost: its environment process was restarted"):
+        with pytest.raises(EnvError, match="'hangs' was lost earlier"):
             await pool.step("hangs", "2")
         assert (await pool.step("good", "1"))[0] in ("higher\n", "correct\n")  # its own process: unharmed
         await pool.close("hangs")
-        assert await pool.reset("again", 6) == "guess 1-8\n"  # on the restarted process
+        assert pool.num_restarts == 1  # the hung episode's process, once it held no episode
+        await pool.reset("dies", 6)
+        with pytest.raises(EnvError, match=r"'dies': step\(\) failed: its environment process died"):
+            await pool.step("dies", "1")
+        await pool.close("dies")
+        assert pool.num_restarts == 2
+        assert await pool.reset("again", 10) == "guess 1-8\n"
+        assert (await pool.step("again", "1"))[0] in ("higher\n", "correct\n")
         for key in ("good", "again"):
             await pool.close(key)
-        assert pool.num_episodes == 0 and pool.num_restarts == 1
+        assert pool.num_episodes == 0
 
     pool = EnvPool(f"{ENVS}:BrokenEnv", num_processes=2, timeout_s=1.0)
     try:
@@ -92,13 +99,13 @@ def test_the_pool_runs_each_episode_in_a_process_and_contains_failures():
 def test_the_pool_bounds_the_wait_for_a_free_process_and_refuses_a_bad_path():
     async def scenario(pool: EnvPool):
         await pool.reset("a", 0)
-        with pytest.raises(EnvError, match=r"no environment process came free within 0.2 s \(all 1 busy\)"):
+        with pytest.raises(EnvError, match=r"no environment process had room within 0.2 s \(1 × 1 episodes\)"):
             await pool.reset("b", 0)
         await pool.close("a")
         await pool.reset("b", 0)  # free again
         await pool.close("b")
 
-    pool = EnvPool("baton.agentic.env:GuessNumberEnv", num_processes=1, acquire_timeout_s=0.2)
+    pool = EnvPool("baton.agentic.env:GuessNumberEnv", num_processes=1, episodes_per_process=1, acquire_timeout_s=0.2)
     try:
         asyncio.run(scenario(pool))
     finally:

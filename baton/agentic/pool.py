@@ -1,11 +1,20 @@
 """`EnvPool`: environments run in worker processes of their own, every call bounded in time.
 
-Each of `num_processes` spawned processes plays one episode at a time: `reset(key, seed)` takes a free process for
-the episode (waiting at most `acquire_timeout_s` for one), `close(key)` gives it back. A call (`reset`, `step`)
-waits at most `timeout_s`; an environment that runs past it has its process killed and restarted, and only its
-own episode is lost: that call and the episode's later ones raise `EnvError`, and the rollout drops its trajectory
-(counted) while the rest of the step goes on. An environment that raises, or whose process dies, is the same.
-The processes import only the environment's module (not torch), so they start fast and stay small.
+`num_processes` processes (each started with `python -c` in a session of its own, so it imports only the
+environment's module, not its parent's main module or torch) hold up to `episodes_per_process` episodes each; a
+process serves its episodes' calls in threads, so a slow episode does not hold the others. `reset(key, seed)`
+puts the episode on the process with the fewest (waiting at most `acquire_timeout_s` for room), `close(key)` ends
+it. Every call waits at most `timeout_s`:
+
+- an environment that raises costs its own episode: that call raises `EnvError`;
+- one that runs past `timeout_s` costs its own episode too: the call raises `EnvError` and the episode is lost;
+  its process takes no new episode, and once its other episodes have closed it is killed (with whatever it
+  started: its session's process group) and replaced, so the hung call is stopped without cutting the others
+  short;
+- a process that dies (a memory bomb, a crash) costs the episodes it held: their calls raise `EnvError`, and a
+  fresh process takes its place.
+
+The rollout drops the trajectories whose calls raised (counted) while the rest of the step goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -30,19 +40,18 @@ class EnvError(RuntimeError):
 
 
 def _serve(read_fd: int, write_fd: int) -> None:
-    """An environment process (`python -c`, so it imports nothing of its parent's main module): its first message
-    names the environment factory and its arguments; then episodes by key, each built on reset."""
+    """An environment process: its first message names the environment factory and its arguments; then calls
+    (call id, op, key, arg), each served in a thread, answered (call id, "ok" | "error", value)."""
     from multiprocessing.connection import Connection
 
     incoming, outgoing = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    env_path, env_kwargs = incoming.recv()
+    env_path, env_kwargs, max_threads = incoming.recv()
     factory = import_object(env_path)
     episodes: dict[str, Any] = {}
-    while True:
-        try:
-            op, key, arg = incoming.recv()
-        except EOFError:  # the pool closed the pipe
-            return
+    send_lock = threading.Lock()
+    threads = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="env")
+
+    def run(call_id: int, op: str, key: str, arg) -> None:
         try:
             if op == "reset":
                 episodes[key] = factory(**env_kwargs)
@@ -53,19 +62,29 @@ def _serve(read_fd: int, write_fd: int) -> None:
                 result = episodes.pop(key, None) is not None
             else:  # "ping"
                 result = True
-            outgoing.send(("ok", result))
+            reply = (call_id, "ok", result)
         except BaseException as error:  # the environment's own failure: its episode's, reported to the caller
-            outgoing.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=5)}"))
+            reply = (call_id, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=5)}")
+        with send_lock:
+            outgoing.send(reply)
+
+    while True:
+        try:
+            message = incoming.recv()
+        except EOFError:  # the pool closed the pipe
+            os._exit(0)  # without waiting for a hung environment's thread
+        threads.submit(run, *message)
 
 
 _CHILD = "import sys; from baton.agentic.pool import _serve; _serve(int(sys.argv[1]), int(sys.argv[2]))"
 
 
 class _Process:
-    """One environment process in a session of its own (killed as a group), reached over two pipes. It finds
-    modules as this process does (its sys.path as PYTHONPATH)."""
+    """One environment process, reached over two pipes; a reader thread settles each call's future with its
+    answer, and fails them all with EnvError if the process dies. It finds modules as this process does (its
+    sys.path as PYTHONPATH)."""
 
-    def __init__(self, env_path: str, env_kwargs: dict, incarnation: int):
+    def __init__(self, env_path: str, env_kwargs: dict, max_threads: int):
         from multiprocessing.connection import Connection
 
         from_parent, to_child = os.pipe()  # (read, write)
@@ -79,38 +98,65 @@ class _Process:
             os.close(from_parent)
             os.close(to_parent)
         self.outgoing, self.incoming = Connection(to_child, readable=False), Connection(from_child, writable=False)
-        self.outgoing.send((env_path, env_kwargs))
-        self.lock = threading.Lock()
-        self.incarnation = incarnation
+        self.outgoing.send((env_path, env_kwargs, max_threads))
+        self.lock = threading.Lock()  # sending, and the table of calls
+        self.calls: dict[int, concurrent.futures.Future] = {}
+        self.episodes: set[str] = set()  # held here, lost ones included until closed
+        self.retiring = False  # a call ran past its timeout: no new episode; replaced once its episodes closed
+        self.dead = False
+        self.replacing = False  # claimed by the pool's replacement of it
+        self._ids = itertools.count()
+        self._reader = threading.Thread(target=self._read, name="env-reader", daemon=True)
+        self._reader.start()
 
-    def send(self, message) -> None:
-        self.outgoing.send(message)
+    def call(self, op: str, key: str, arg) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self.dead:
+                future.set_exception(EnvError("its environment process died"))
+                return future
+            call_id = next(self._ids)
+            self.calls[call_id] = future
+            try:
+                self.outgoing.send((call_id, op, key, arg))
+            except OSError:
+                self.calls.pop(call_id)
+                future.set_exception(EnvError("its environment process died"))
+        return future
 
-    def reply(self, timeout_s: float):
-        """The process's answer, or None if it gave none within `timeout_s`; EOFError if it died."""
-        return self.incoming.recv() if self.incoming.poll(timeout_s) else None
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Until the process answers (its imports done), at most `timeout_s`."""
-        self.send(("ping", "", None))
-        try:
-            answered = self.reply(timeout_s) is not None
-        except (EOFError, OSError):
-            answered = False
-        if not answered:
-            self.kill()
-            raise EnvError(f"an environment process did not start within {timeout_s:g} s")
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, status, value = self.incoming.recv()
+            except (EOFError, OSError):
+                break
+            with self.lock:
+                future = self.calls.pop(call_id, None)
+            if future is None:
+                continue
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # its caller gave up on it
+                if status == "ok":
+                    future.set_result(value)
+                else:
+                    future.set_exception(EnvError(f"the environment raised: {value}"))
+        with self.lock:
+            self.dead = True
+            pending, self.calls = list(self.calls.values()), {}
+        for future in pending:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(EnvError("its environment process died"))
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not self.dead and self.process.poll() is None
 
     def kill(self) -> None:
-        """The process and whatever it started (its session's group)."""
+        """The process and whatever it started (its session's process group)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5)
         self.outgoing.close()
+        self._reader.join(5)
         self.incoming.close()
 
 
@@ -118,102 +164,119 @@ class EnvPool:
     """See the module docstring. env: an import path "package.module:Factory" (a class or function that takes
     `env_kwargs` and returns an `Env`)."""
 
-    def __init__(self, env: str, env_kwargs: dict | None = None, num_processes: int = 8, timeout_s: float = 10.0,
-                 acquire_timeout_s: float = 600.0, start_timeout_s: float = 60.0):
-        if num_processes < 1:
-            raise ValueError(f"num_processes={num_processes} must be >= 1")
+    def __init__(self, env: str, env_kwargs: dict | None = None, num_processes: int = 2,
+                 episodes_per_process: int = 64, timeout_s: float = 10.0, acquire_timeout_s: float = 600.0,
+                 start_timeout_s: float = 60.0):
+        if num_processes < 1 or episodes_per_process < 1:
+            raise ValueError(f"num_processes={num_processes} and episodes_per_process={episodes_per_process} must "
+                             "be >= 1")
         if timeout_s <= 0 or acquire_timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} and acquire_timeout_s={acquire_timeout_s} must be > 0")
         try:
             import_object(env)  # here, so that a bad path fails before any process starts
         except Exception as error:
             raise ValueError(f"environment {env!r} cannot be imported: {error}") from error
-        self.env, self.env_kwargs = env, dict(env_kwargs or {})
-        self.timeout_s, self.acquire_timeout_s = timeout_s, acquire_timeout_s
+        self.env, self.env_kwargs, self.episodes_per_process = env, dict(env_kwargs or {}), episodes_per_process
+        self.timeout_s, self.acquire_timeout_s, self.start_timeout_s = timeout_s, acquire_timeout_s, start_timeout_s
         self._lock = threading.Lock()
-        self._processes = [_Process(env, self.env_kwargs, 0) for _ in range(num_processes)]
-        self._free = list(range(num_processes))
-        self._owner: dict[str, tuple[int, int]] = {}  # key -> (its process, that process's incarnation at reset)
-        self._threads = concurrent.futures.ThreadPoolExecutor(num_processes, thread_name_prefix="env-call")
-        self.num_restarts, self.start_timeout_s = 0, start_timeout_s
-        for process in self._processes:
-            process.wait_ready(start_timeout_s)
+        self._processes = [self._start() for _ in range(num_processes)]
+        self._owner: dict[str, _Process] = {}
+        self._lost: set[str] = set()
+        self.num_restarts = 0
+
+    def _start(self) -> _Process:
+        """A fresh process, once it answers (its imports done)."""
+        process = _Process(self.env, self.env_kwargs, self.episodes_per_process + 4)
+        try:
+            process.call("ping", "", None).result(self.start_timeout_s)
+        except (concurrent.futures.TimeoutError, EnvError):
+            process.kill()
+            raise EnvError(f"an environment process for {self.env!r} did not start within "
+                           f"{self.start_timeout_s:g} s") from None
+        return process
 
     # --- calls -----------------------------------------------------------------------------------------
 
     async def reset(self, key: str, seed: int) -> str:
-        """Take a free process for episode `key` and reset its environment with `seed`: the first observation."""
+        """Put episode `key` on the process with the fewest and reset its environment with `seed`: the first
+        observation."""
         deadline = time.monotonic() + self.acquire_timeout_s
         while True:
             with self._lock:
                 if key in self._owner:
                     raise EnvError(f"episode {key!r} is already running; close it first")
-                if self._free:
-                    index = self._free.pop()
-                    self._owner[key] = (index, self._processes[index].incarnation)
+                room = [p for p in self._processes if p.alive() and not p.retiring
+                        and len(p.episodes) < self.episodes_per_process]
+                if room:
+                    process = min(room, key=lambda p: len(p.episodes))
+                    process.episodes.add(key)
+                    self._owner[key] = process
                     break
             if time.monotonic() >= deadline:
-                raise EnvError(f"episode {key!r}: no environment process came free within {self.acquire_timeout_s:g} "
-                               f"s (all {len(self._processes)} busy); raise num_env_processes")
+                raise EnvError(f"episode {key!r}: no environment process had room within {self.acquire_timeout_s:g} s "
+                               f"({len(self._processes)} × {self.episodes_per_process} episodes); raise "
+                               "num_env_processes")
+            await self._replace_finished()  # a dead or retired one may be what is missing
             await asyncio.sleep(0.005)
-        return await self._async(key, "reset", seed)
+        return await self._call(key, "reset", seed)
 
     async def step(self, key: str, action: str) -> tuple[str, float, bool, dict]:
-        return await self._async(key, "step", action)
+        return await self._call(key, "step", action)
 
     async def close(self, key: str) -> None:
-        """End episode `key` and give its process back (a second call, or one for a key never reset, does nothing)."""
+        """End episode `key` (a second call, or one for a key never reset, does nothing)."""
         with self._lock:
-            owner = self._owner.get(key)
-        if owner is None:
+            process = self._owner.get(key)
+            lost = key in self._lost
+        if process is None:
             return
-        try:
-            await self._async(key, "close", None)
-        except EnvError:
-            pass  # lost with a restarted process: nothing to close
+        if not lost:
+            with contextlib.suppress(EnvError):
+                await self._call(key, "close", None)
         with self._lock:
             self._owner.pop(key, None)
-            self._free.append(owner[0])
+            self._lost.discard(key)
+            process.episodes.discard(key)
+        await self._replace_finished()
 
-    async def _async(self, key: str, op: str, arg):
+    async def _call(self, key: str, op: str, arg):
         with self._lock:
-            if key not in self._owner:
+            process = self._owner.get(key)
+            if process is None:
                 raise EnvError(f"episode {key!r} was never reset")
-            index, incarnation = self._owner[key]
-        return await asyncio.get_running_loop().run_in_executor(
-            self._threads, self._call, index, op, key, arg, self.timeout_s, incarnation)
+            if key in self._lost:
+                raise EnvError(f"episode {key!r} was lost earlier (its environment hung or died)")
+        future = process.call(op, key, arg)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            with self._lock:
+                self._lost.add(key)
+                process.retiring = True  # the hung call is stopped when its process is replaced
+            raise EnvError(f"episode {key!r}: the environment ran past {self.timeout_s:g} s (env timeout_s) in "
+                           f"{op}()") from None
+        except EnvError as error:
+            with self._lock:
+                self._lost.add(key)
+            raise EnvError(f"episode {key!r}: {op}() failed: {error}") from None
 
-    def _call(self, index: int, op: str, key: str, arg, timeout_s: float, incarnation: int | None = None):
-        """One call on process `index` (its episode's only caller), at most `timeout_s`."""
-        with self._processes[index].lock:
-            process = self._processes[index]
-            if incarnation is not None and process.incarnation != incarnation:
-                raise EnvError(f"episode {key!r} was lost: its environment process was restarted")
-            try:
-                process.send((op, key, arg))
-                reply = process.reply(timeout_s)
-                ready = reply is not None
-            except (EOFError, OSError):
-                ready, reply = True, None
-            if reply is None:
-                self._restart(index)
-                what = f"ran past {timeout_s:g} s (env timeout_s)" if not ready else "died"
-                raise EnvError(f"episode {key!r}: the environment {what} in {op}(); its process was restarted")
-            status, value = reply
-            if status == "error":
-                raise EnvError(f"episode {key!r}: the environment raised in {op}(): {value}")
-            return value
-
-    def _restart(self, index: int) -> None:
-        """Under the process's lock: kill it and start a fresh one in its place (its episode is lost)."""
-        old = self._processes[index]
-        old.kill()
-        fresh = _Process(self.env, self.env_kwargs, old.incarnation + 1)
-        fresh.lock = old.lock  # held by the caller
-        self._processes[index] = fresh
-        fresh.wait_ready(self.start_timeout_s)  # started before it takes the next episode
+    async def _replace_finished(self) -> None:
+        """Replace each process that died, or that retired and holds no episode any more (off the event loop)."""
         with self._lock:
-            self.num_restarts += 1
+            finished = [i for i, p in enumerate(self._processes) if not p.replacing
+                        and (not p.alive() or p.retiring) and not (p.alive() and p.episodes)]
+            for index in finished:
+                self._processes[index].replacing = True  # claimed: replaced once, below
+                self._processes[index].dead = True  # takes no call meanwhile
+        for index in finished:
+            old = self._processes[index]
+            fresh = await asyncio.get_running_loop().run_in_executor(None, self._start)
+            old.kill()
+            with self._lock:
+                self._processes[index] = fresh
+                self.num_restarts += 1
+                for key in [k for k, p in self._owner.items() if p is old]:  # a dead one's: lost, not waited for
+                    self._lost.add(key)
 
     @property
     def num_episodes(self) -> int:
@@ -223,9 +286,8 @@ class EnvPool:
     def close_pool(self) -> None:
         """Stop every process (a second call does nothing)."""
         for process in self._processes:
-            if process.alive():
+            if process.process.poll() is None:
                 process.kill()
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["EnvError", "EnvPool"]

@@ -34,7 +34,8 @@ class AgenticSettings:
     env / env_kwargs: the environment factory ("package.module:Class") and its arguments. max_turns: model turns
     per episode at most. max_tokens_per_turn: one turn's tokens at most. max_tokens: the whole trajectory's
     tokens (model and environment) at most. env_timeout_s: one environment call at most (then the sample
-    fails). num_env_processes: the processes the environments run in. num_train_episodes / num_val_episodes:
+    fails). num_env_processes / episodes_per_env_process: the processes the environments run in, and the episodes
+    each holds at once (the episodes in flight are bounded by their product). num_train_episodes / num_val_episodes:
     the episodes (environment seeds 0.. and 1_000_000..) that make the training prompts and the held-out set.
     """
 
@@ -44,12 +45,14 @@ class AgenticSettings:
     max_tokens_per_turn: int = 6
     max_tokens: int = 64
     env_timeout_s: float = 10.0
-    num_env_processes: int = 8
+    num_env_processes: int = 2
+    episodes_per_env_process: int = 64
     num_train_episodes: int = 2000
     num_val_episodes: int = 100
 
     def __post_init__(self):
-        for name in ("max_turns", "max_tokens_per_turn", "max_tokens", "num_env_processes", "num_train_episodes"):
+        for name in ("max_turns", "max_tokens_per_turn", "max_tokens", "num_env_processes", "episodes_per_env_process",
+                     "num_train_episodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agentic.{name}={getattr(self, name)} must be >= 1")
         if self.num_val_episodes < 0:

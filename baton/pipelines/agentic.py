@@ -65,7 +65,8 @@ class AgenticPipeline(RolloutRLVRPipeline):
 
     def __init__(self, config: AgenticConfig):
         settings = config.agentic
-        self.env_pool = EnvPool(settings.env, settings.env_kwargs, settings.num_env_processes, settings.env_timeout_s)
+        self.env_pool = EnvPool(settings.env, settings.env_kwargs, settings.num_env_processes,
+                                settings.episodes_per_env_process, settings.env_timeout_s)
         try:
             super().__init__(config)
         except BaseException:
