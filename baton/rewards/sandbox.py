@@ -219,6 +219,9 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits) -> CaseResul
         process = subprocess.Popen([sys.executable, "-I", "-S", "-B", _CHILD, payload], cwd=work, env=env,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    pass_fds=(verdict_w,), start_new_session=True)
+    except BaseException:
+        os.close(verdict_r)
+        raise
     finally:
         os.close(verdict_w)
     with process, open(verdict_r, "rb", buffering=0) as verdict:
@@ -226,7 +229,7 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits) -> CaseResul
         buffers = {**outputs, verdict: bytearray()}
         ended = _watch(process, buffers, outputs, start + limits.timeout_s, limits.max_output_bytes)
         _drain({verdict: buffers[verdict]}, outputs, limits.max_output_bytes)
-        cpu_time_s = _kill(process, _namespace_init(bytes(buffers[verdict]), nonce))
+        cpu_time_s = _kill(process, _namespace_init(bytes(buffers[verdict]), nonce, process.pid))
         _drain(buffers, outputs, limits.max_output_bytes)
     if ended == "exited" and _size(outputs) > limits.max_output_bytes:
         ended = "output"
@@ -236,26 +239,36 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits) -> CaseResul
     return CaseResult(status, reason, stdout, stderr, time.monotonic() - start)
 
 
-def _namespace_init(verdict: bytes, nonce: str) -> int | None:
-    """The pid (here) of the case's PID-namespace init, as the child announced it; None without a namespace."""
+def _namespace_init(verdict: bytes, nonce: str, parent_pid: int) -> int | None:
+    """A pidfd of the case's PID-namespace init, as the child announced its pid, while it is still the child of
+    `parent_pid`; None without a namespace, or once the init is gone (and with it the namespace)."""
     for line in verdict.decode(errors="replace").splitlines():
         key, _, rest = line.partition(" ")
         kind, _, pid = rest.partition(" ")
         if key == nonce and kind == "init" and pid.isdigit():
-            return int(pid)
+            try:
+                pidfd = os.pidfd_open(int(pid))
+            except ProcessLookupError:
+                return None
+            if _parent_pid(int(pid)) == parent_pid:  # not a process that took the pid after the init left it
+                return pidfd
+            os.close(pidfd)
+            return None
     return None
 
 
-def _kill(process: subprocess.Popen, init_pid: int | None) -> float:
-    """Kill everything the case started and wait until it is gone: the namespace's init (the kernel then kills
-    every process in the namespace before the init exits), then the session's process group, then reap. The CPU
-    seconds the case used (with the processes it reaped: the namespace's init, for one)."""
-    init = None
-    if init_pid is not None:
-        try:
-            init = os.pidfd_open(init_pid)  # the init itself even if its pid were reused; it is not our child
-        except ProcessLookupError:  # exited already, and with it the namespace
-            pass
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])  # after the command name, which may hold spaces
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _kill(process: subprocess.Popen, init: int | None) -> float:
+    """Kill everything the case started and wait until it is gone: the namespace's init (`init`, a pidfd, closed
+    here; the kernel kills every process in the namespace before the init exits), then the session's process group,
+    then reap. The CPU seconds the case used (with the processes it reaped: the namespace's init, for one)."""
     try:
         if init is not None:
             try:
