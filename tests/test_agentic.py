@@ -159,6 +159,8 @@ def test_a_trajectory_masks_exactly_the_environments_tokens():
     assert first.prompt_ids == tuple(prompt_ids)  # each turn sends the whole conversation, on one engine
     assert second.prompt_ids == tuple(prompt_ids) + tuple(expected_ids[:len(f"{wrong}\n{hint}")])
     assert key == same_key and first.params.seed == 5 and second.params.seed == 6
+    newline = args.tokenizer("\n", add_special_tokens=False)["input_ids"][0]
+    assert first.params.stop_token_ids == (newline, args.tokenizer.eos_token_id)  # a turn ends at its newline
 
 
 def test_the_turn_limit_and_the_token_budget_truncate():

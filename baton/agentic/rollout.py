@@ -73,6 +73,14 @@ def episode_rows(settings: AgenticSettings, seeds) -> list[dict[str, Any]]:
     return [{"prompt": env.reset(seed), "env_seed": int(seed)} for seed in seeds]
 
 
+def newline_id(tokenizer) -> int:
+    """The token that ends a model's turn: a newline, which must be one token of its own."""
+    ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"the tokenizer encodes a newline as {ids}, not one token; a turn ends at a newline token")
+    return ids[0]
+
+
 async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> Sample:
     """One episode for `sample` (see the module docstring); `args.extras` holds the pipeline's `agentic`
     settings and `env_pool`."""
@@ -81,7 +89,7 @@ async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> S
     settings: AgenticSettings = args.extras["agentic"]
     pool = args.extras["env_pool"]
     tokenizer = args.tokenizer
-    stop = (tokenizer.convert_tokens_to_ids("\n"), tokenizer.eos_token_id)
+    stop = (newline_id(tokenizer), tokenizer.eos_token_id)
     key = f"g{sample.group_index}-s{sample.sample_index}-e{next(_episodes)}"
     ids: list[int] = []
     mask: list[int] = []
