@@ -219,6 +219,18 @@ def test_chat_pairs_are_rendered_with_the_chat_template_or_named_without_one(tmp
         ).to_rows(tokenizer, max_prompt_len=32, max_response_len=2)
 
 
+def test_a_parquet_file_of_pairs_loads_as_its_jsonl_twin_does(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "2+2=", "chosen": "4", "rejected": None}]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "ok.parquet")
+    assert PreferenceDataset.from_file(str(tmp_path / "ok.parquet")).examples == rows[:1]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="bad.parquet, row 1: the response 'rejected' is null"):
+        PreferenceDataset.from_file(str(tmp_path / "bad.parquet"))
+
+
 def _sum(prompt: str) -> int:
     a, b = prompt.rstrip("=").split("+")
     return int(a) + int(b)
@@ -317,3 +329,27 @@ def test_the_example_chains_sft_then_dpo_takes_run_dir_and_fits_a_two_core_machi
     assert len(slots) + cpu_only <= 2
     with pytest.raises(ConfigError, match="set run_dir instead"):
         resolve(os.path.join(EXAMPLES, "dpo.yaml"), ["dpo.trainer.run_dir=elsewhere"])
+
+
+def test_the_demo_runs_sft_then_dpo_from_its_checkpoint_and_a_resume_skips_the_finished_sft(tmp_path, small_pairs):
+    from baton.pipelines.dpo_demo import DPODemoPipeline
+
+    example = os.path.join(EXAMPLES, "dpo.yaml")
+    settings = [f"run_dir={tmp_path / 'demo'}", "data.max_operand=9", "data.num_val_examples=8",
+                f"dpo.pairs.train_path={small_pairs}", "sft.trainer.num_steps=2", "dpo.trainer.num_steps=2"]
+    for stage in ("sft", "dpo"):
+        settings += [f"{stage}.trainer.backend=local", f"{stage}.trainer.progress_bar=false",
+                     f"{stage}.trainer.num_prompts_per_step=4", f"{stage}.trainer.save_every_steps=2",
+                     f"{stage}.trainer.val_every_steps=2", f"{stage}.val_sampling.max_new_tokens=3"]
+    summary = DPODemoPipeline(resolve(example, settings)[1]).run()
+    written = json.load(open(tmp_path / "demo" / "summary.json"))
+    assert written["start_val_accuracy"] == written["sft_val_accuracy"] == summary["sft"]["final_val_accuracy"]
+    assert written["final_val_accuracy"] == summary["dpo"]["final_val_accuracy"] is not None
+    first = json.loads(open(tmp_path / "demo" / "dpo" / "metrics.jsonl").readline())  # the DPO stage's first record
+    assert first["step"] == 0 and first["val/accuracy"] == written["sft_val_accuracy"]
+    dpo_model = resolve(os.path.join(tmp_path, "demo", "dpo", "config.yaml"), [])[1].actor.strategy.model
+    assert dpo_model.endswith(os.path.join("sft", "checkpoints", "step_2", "actor"))
+    sft_metrics = (tmp_path / "demo" / "sft" / "metrics.jsonl").read_text()
+    DPODemoPipeline(resolve(example, settings[:-1] + ["dpo.trainer.num_steps=3", "resume=latest"])[1]).run()
+    assert (tmp_path / "demo" / "sft" / "metrics.jsonl").read_text() == sft_metrics  # not run again
+    assert [json.loads(line)["step"] for line in open(tmp_path / "demo" / "dpo" / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -26,7 +26,7 @@ STAGES = ("sft", "dpo")
 def _dpo_default() -> DPOConfig:
     return DPOConfig(
         actor=RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=1e-4))),
-        algorithm=PreferenceConfig(loss_type="sigmoid", beta=0.1),
+        algorithm=PreferenceConfig(loss_type="sigmoid", beta=1.0),  # see examples/dpo.yaml for the betas tried
         data=None,
         val_sampling=dataclasses.replace(_VAL_SAMPLING),
         trainer=TrainerConfig(num_steps=200, num_prompts_per_step=64, val_every_steps=25, save_every_steps=100,
