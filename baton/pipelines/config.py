@@ -7,6 +7,7 @@ Batch knobs carry their unit: `num_prompts_per_step`, `num_samples_per_prompt`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from baton.config import ConfigError, find_file
 from baton.distributed import WorkerConfig
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 
-MODEL_ROLES = ("actor", "rollout", "reference", "critic", "policy")  # "policy": actor + rollout fused
+MODEL_ROLES = ("actor", "rollout", "reference", "critic", "reward_model", "policy")  # "policy": actor + rollout fused
 
 
 @dataclass
@@ -268,6 +269,31 @@ class TrainerConfig:
 
 
 @dataclass
+class RewardModelSettings:
+    """How the `reward_model` role scores: "scalar" (a value-head model, strategy kind value: its value at the
+    response's last token) or "generative" (a causal LM judge: `template` with {prompt}, {response} and
+    {ground_truth}, answered greedily in at most `max_new_tokens`, parsed by `parse_fn`, an import path
+    `fn(text) -> float`). The step's score is the reward function's plus `weight` × the model's."""
+
+    type: str = "scalar"
+    weight: float = 1.0
+    template: str = "Question: {prompt}\nAnswer: {response}\nScore (0 to 1): "
+    parse_fn: str = "baton.workers.reward_model:first_number"
+    max_new_tokens: int = 4
+
+    def __post_init__(self):
+        if self.type not in ("scalar", "generative"):
+            raise ValueError(f"reward_model_settings.type {self.type!r} is not one of 'scalar', 'generative'")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"reward_model_settings.weight={self.weight} must be a finite number")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"reward_model_settings.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if "{response}" not in self.template:
+            raise ValueError("reward_model_settings.template must contain {response} (the judged response); it may "
+                             "also use {prompt} and {ground_truth}")
+
+
+@dataclass
 class RLVRConfig:
     """GRPO (no critic) or PPO (critic, GAE) on verifiable rewards."""
 
@@ -282,6 +308,9 @@ class RLVRConfig:
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
     reward: RewardSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # A model that scores responses besides the reward function (see RewardModelSettings); None: none.
+    reward_model: RoleConfig | None = None
+    reward_model_settings: RewardModelSettings = field(default_factory=RewardModelSettings)
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
@@ -338,6 +367,15 @@ class RLVRConfig:
         if self.critic is not None and self.critic.strategy.kind != "value":
             raise ConfigError(f"critic.strategy.kind is {self.critic.strategy.kind!r}; a critic predicts values: "
                               "set critic.strategy.kind: value")
+        if self.reward_model is not None:
+            wanted = {"scalar": "value", "generative": "causal_lm"}[self.reward_model_settings.type]
+            if self.reward_model.strategy.kind != wanted:
+                raise ConfigError(f"reward_model.strategy.kind is {self.reward_model.strategy.kind!r}, but a "
+                                  f"{self.reward_model_settings.type} reward model is kind {wanted!r}: set "
+                                  f"reward_model.strategy.kind: {wanted}, or reward_model_settings.type")
+            if self.reward_model.strategy.name not in ("hf", "fsdp2"):
+                raise ConfigError(f"reward_model.strategy.name {self.reward_model.strategy.name!r}: a reward model "
+                                  "runs on 'hf' or 'fsdp2'")
         if trainer.num_prompts_per_step % algo.num_mini_batches_per_step:
             raise ConfigError(
                 f"trainer.num_prompts_per_step={trainer.num_prompts_per_step} does not split into "

@@ -66,6 +66,9 @@ class DAGConfig(RLVRConfig):
         if self.dag.executor == "multi_controller" and not self.colocate_actor_rollout:
             raise ConfigError("dag.executor multi_controller runs every role of a rank in its DAG worker's process; "
                               "set colocate_actor_rollout: true")
+        if self.reward_model is not None:
+            raise ConfigError("reward_model: the workflow's nodes do not run a reward model yet; use RLVRPipeline "
+                              "(pipeline_cls: baton.pipelines.rlvr:RLVRPipeline)")
         if self.dag.num_compute_workers < 1:
             raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
         if estimator_needs(self.algorithm.adv_estimator).baseline_rollout:

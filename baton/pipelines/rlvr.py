@@ -49,10 +49,13 @@ class RLVRPipeline(Pipeline):
         needs = estimator_needs(algo.adv_estimator)  # the estimator's registration says what it needs
         if needs.critic:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
+        if config.reward_model is not None:
+            roles["reward_model"] = reward_model_role(config)
         roles.update(self.extra_roles(config))
         clusters = self.create_clusters(roles, fused=self.fused_roles(config, roles))
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.reference, self.critic = clusters.get("reference"), clusters.get("critic")
+        self.reward_model = clusters.get("reward_model")
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
                                             self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
@@ -175,6 +178,10 @@ class RLVRPipeline(Pipeline):
                 with self.timer("reward"):
                     rewards = self.reward.compute_rewards(batch, apply_overlong_penalty=True)  # overlong_buffer
                     batch = batch.union(rewards.select(None, [], []))  # scores, token_level_scores, reward_extra/*
+                    if self.reward_model is not None:
+                        batch, model_metrics = add_model_scores(batch, self.reward_model.score(batch),
+                                                                self.config.reward_model_settings.weight)
+                        rewards.meta_info.setdefault("metrics", {}).update(model_metrics)
                 batch, train_metrics = self.train_on(batch)
                 if step % trainer.sync_every_steps == 0:
                     self.on_device("actor", "rollout")  # an offloaded (asleep) vLLM takes no weights
@@ -182,7 +189,8 @@ class RLVRPipeline(Pipeline):
                         self.update_pairs[0].sync()
                     self.on_device("rollout")
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
-                       **train_metrics, **self.timings}
+                       **{k: float(np.sum(v)) for k, v in rewards.meta_info.get("metrics", {}).items()
+                          if k.startswith("reward_model/")}, **train_metrics, **self.timings}
             if self.signal_watch is not None:
                 self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
             self.end_step(step, metrics, "reward", "critic/score/mean")
@@ -202,6 +210,33 @@ class RLVRPipeline(Pipeline):
     def do_checkpoint(self, step: int) -> str:
         self.on_device("rollout", *self.checkpoint_clusters)  # saved from their devices; nothing saved is offloaded
         return super().do_checkpoint(step)
+
+
+def reward_model_role(config: RLVRConfig) -> tuple:
+    """The `reward_model` cluster's (worker class, settings, constructor args): a scalar reward model or a judge."""
+    from baton.workers.reward_model import JudgeWorker, RewardModelWorker
+
+    role, settings = config.reward_model, config.reward_model_settings
+    if settings.type == "scalar":
+        return RewardModelWorker, role, (role.strategy,)
+    return JudgeWorker, role, (role.strategy, settings.template, settings.parse_fn, settings.max_new_tokens)
+
+
+def add_model_scores(batch: DataProto, scored: DataProto, weight: float) -> tuple[DataProto, dict]:
+    """`batch` with `weight` × the reward model's `rm_scores` added to `scores` and to the last response token of
+    `token_level_scores` (kept as `reward_extra/reward_model`), and its metrics: reward_model/score/mean and the
+    judge's unparsed answers."""
+    data = batch.batch
+    model_scores = scored.batch["rm_scores"].float()
+    lengths = data["response_mask"].long().sum(-1)
+    rows = torch.arange(len(batch))[lengths > 0]
+    data["token_level_scores"] = data["token_level_scores"].clone()
+    data["token_level_scores"][rows, lengths[lengths > 0] - 1] += weight * model_scores[lengths > 0]
+    data["scores"] = data["scores"] + weight * model_scores
+    data[REWARD_EXTRA_PREFIX + "reward_model"] = model_scores
+    metrics = {"reward_model/score/mean": float(model_scores.mean())}
+    metrics.update(scored.meta_info.get("metrics", {}))
+    return batch, metrics
 
 
 def advantage_columns(batch: DataProto, algo: AlgorithmConfig, reward_fn, kl_coef: float

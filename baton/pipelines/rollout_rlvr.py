@@ -72,6 +72,9 @@ class RolloutRLVRConfig(RLVRConfig):
         super().check()
         if self.loss not in ("policy", "sft"):
             raise ConfigError(f"loss {self.loss!r} is not one of 'policy', 'sft'")
+        if self.reward_model is not None:
+            raise ConfigError("reward_model: the rollout system scores groups with rollout_system.reward_function; a "
+                              "reward model is run by RLVRPipeline (pipeline_cls: baton.pipelines.rlvr:RLVRPipeline)")
         if self.colocate_actor_rollout:
             raise ConfigError("colocate_actor_rollout fuses the actor with a rollout worker; the rollout system's "
                               "engines are workers of their own: give them the actor's device_mapping to share its "
