@@ -141,7 +141,7 @@ class AgenticDemoConfig(DemoConfig):
 
 class AgenticDemoPipeline(DemoPipeline):
     config_cls = AgenticDemoConfig
-    rlvr_pipeline_cls = "baton.pipelines.agentic:AgenticPipeline"
+    second_pipeline_cls = "baton.pipelines.agentic:AgenticPipeline"
 
 
 __all__ = ["AgenticConfig", "AgenticDemoConfig", "AgenticDemoPipeline", "AgenticPipeline"]

@@ -219,4 +219,4 @@ class DAGDemoConfig(DemoConfig):
 
 class DAGDemoPipeline(DemoPipeline):
     config_cls = DAGDemoConfig
-    rlvr_pipeline_cls = "baton.pipelines.dag:DAGPipeline"
+    second_pipeline_cls = "baton.pipelines.dag:DAGPipeline"

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from baton.config import ConfigError, import_object
 from baton.pipelines.base import list_checkpoints, previous_run, remove_previous_run, run_dir_in_use, run_pipeline
@@ -69,8 +70,9 @@ def demo_rlvr_as(config_cls, drop: tuple[str, ...] = (), **changes):
 
 
 @dataclass
-class DemoConfig:
-    """SFT then RLVR; the RLVR stage's actor, rollout, reference and critic start from the SFT stage's final checkpoint.
+class TwoStageConfig:
+    """SFT, then a second stage (`SECOND`: the field holding its config) whose model roles start from the SFT
+    stage's final checkpoint. `DemoConfig` is the main demo's (SFT, then RLVR); others give their own second stage.
 
     seed: sets every seed of the run (each stage's data order, weight init and sampling generators);
         null leaves the per-stage seeds (`sft.trainer.seed`, `rlvr.rollout.strategy.seed`, ...) as set.
@@ -83,27 +85,31 @@ class DemoConfig:
         metrics, summaries, plots and checkpoints (of both stages) first.
     """
 
+    SECOND: ClassVar[str] = "rlvr"
+
     pipeline_cls: str = "baton.pipelines.demo:DemoPipeline"
     run_dir: str = "runs/demo"
     seed: int | None = 0
     resume: str | None = None
     overwrite: bool = False
     data: DataConfig = field(default_factory=_demo_data)
-    sft: SFTConfig = field(default_factory=_sft_default)
-    rlvr: RLVRConfig = field(default_factory=_rlvr_default)
+
+    @property
+    def stages(self) -> tuple[str, str]:
+        return ("sft", self.SECOND)
 
     def __post_init__(self):
         if self.resume not in (None, "latest"):
             raise ValueError(f"resume {self.resume!r} is not 'latest' or null; to resume one stage from a given "
-                             "checkpoint, set sft.trainer.resume or rlvr.trainer.resume to its path")
-        for name in ("sft", "rlvr"):
+                             f"checkpoint, set sft.trainer.resume or {self.SECOND}.trainer.resume to its path")
+        for name in self.stages:
             trainer = getattr(self, name).trainer
             if (self.overwrite or trainer.overwrite) and (self.resume or trainer.resume):
                 raise ValueError(f"{name} stage: overwrite=true would remove the run that resume="
                                  f"{self.resume or trainer.resume!r} continues; set one of them")
             # Its defaults, or a stage directory of a demo config as `baton config` prints it.
-            if trainer.run_dir not in (TrainerConfig.run_dir, SFTConfig().trainer.run_dir) and \
-                    os.path.basename(os.path.normpath(trainer.run_dir)) != name:
+            defaults = (TrainerConfig.run_dir, SFTConfig().trainer.run_dir, type(getattr(self, name))().trainer.run_dir)
+            if trainer.run_dir not in defaults and os.path.basename(os.path.normpath(trainer.run_dir)) != name:
                 raise ValueError(f"{name}.trainer.run_dir={trainer.run_dir!r}: the demo writes each stage under its own "
                                  f"run_dir ({os.path.join(self.run_dir, name)!r}); set run_dir instead")
             trainer.run_dir = os.path.join(self.run_dir, name)
@@ -112,10 +118,10 @@ class DemoConfig:
 
     def _seeded(self):
         """(key, object holding a `seed`) for every seed of the run but the task's."""
-        for name in ("sft", "rlvr"):
+        for name in self.stages:
             stage = getattr(self, name)
             yield f"{name}.trainer.seed", stage.trainer
-            for role_name in ("actor", "rollout", "reference", "critic"):
+            for role_name in STAGE_ROLES:
                 role = getattr(stage, role_name, None)
                 if role is not None:
                     yield f"{name}.{role_name}.strategy.seed", role.strategy
@@ -135,14 +141,28 @@ class DemoConfig:
         return dataclasses.replace(config, data=config.data or self.data, trainer=trainer)
 
 
-class DemoPipeline:
-    config_cls = DemoConfig
-    rlvr_pipeline_cls = "baton.pipelines.rlvr:RLVRPipeline"  # the second stage (imported when used)
+STAGE_ROLES = ("actor", "rollout", "reference", "critic")  # the model roles a second stage starts from the checkpoint
 
-    def __init__(self, config: DemoConfig):
+
+@dataclass
+class DemoConfig(TwoStageConfig):
+    """SFT then RLVR (see `TwoStageConfig`); the RLVR stage's actor, rollout, reference and critic start from the SFT
+    stage's final checkpoint."""
+
+    sft: SFTConfig = field(default_factory=_sft_default)
+    rlvr: RLVRConfig = field(default_factory=_rlvr_default)
+
+
+class TwoStagePipeline:
+    """Runs a `TwoStageConfig`: SFT, then `second_pipeline_cls` (an import path) from its checkpoint."""
+
+    config_cls = TwoStageConfig
+    second_pipeline_cls = "baton.pipelines.rlvr:RLVRPipeline"  # imported when used
+
+    def __init__(self, config: TwoStageConfig):
         # Both stage directories are checked before either stage runs, and cleared (overwrite) before the first
         # does, so that no later resume=latest finds a checkpoint of the run replaced.
-        trainers = [config.stage(name).trainer for name in ("sft", "rlvr")]
+        trainers = [config.stage(name).trainer for name in config.stages]
         held = [f"{os.path.basename(t.run_dir)}/{what}" for t in trainers if t.resume is None and not t.overwrite
                 for what in previous_run(t.run_dir)]
         if config.resume is None and not config.overwrite:
@@ -158,11 +178,11 @@ class DemoPipeline:
             remove_previous_run(config.run_dir)
 
     @classmethod
-    def dry_run(cls, config: DemoConfig) -> None:
+    def dry_run(cls, config: TwoStageConfig) -> None:
         """Both stages' checks and data, so that a mistake in the second shows before the first has run."""
         from baton.pipelines.sft import SFTPipeline
 
-        for name, pipeline_cls in (("sft", SFTPipeline), ("rlvr", import_object(cls.rlvr_pipeline_cls))):
+        for name, pipeline_cls in zip(config.stages, (SFTPipeline, import_object(cls.second_pipeline_cls))):
             try:
                 pipeline_cls.dry_run(config.stage(name))
             except ConfigError as e:
@@ -171,7 +191,7 @@ class DemoPipeline:
     def run(self) -> dict:
         from baton.pipelines.sft import SFTPipeline
 
-        cfg = self.config
+        cfg, second = self.config, self.config.SECOND
         sft_cfg = cfg.stage("sft")
         sft_summary_path = os.path.join(sft_cfg.trainer.run_dir, "summary.json")
         if cfg.resume and os.path.isfile(sft_summary_path):  # written when the stage finished
@@ -180,22 +200,26 @@ class DemoPipeline:
         else:
             sft_summary = run_pipeline(SFTPipeline, sft_cfg)
         checkpoint = os.path.abspath(os.path.join(list_checkpoints(sft_cfg.trainer.run_dir)[-1], "actor"))
-        rlvr_cfg = cfg.stage("rlvr")
-        rlvr_cfg = dataclasses.replace(
-            rlvr_cfg, actor=_from_checkpoint(rlvr_cfg.actor, checkpoint), rollout=_from_checkpoint(rlvr_cfg.rollout, checkpoint),
-            reference=_from_checkpoint(rlvr_cfg.reference, checkpoint), critic=_from_checkpoint(rlvr_cfg.critic, checkpoint),
-        )
-        rlvr_summary = run_pipeline(import_object(self.rlvr_pipeline_cls), rlvr_cfg)
+        second_cfg = cfg.stage(second)
+        second_cfg = dataclasses.replace(second_cfg, **{
+            name: _from_checkpoint(getattr(second_cfg, name), checkpoint)
+            for name in STAGE_ROLES if hasattr(second_cfg, name)})
+        second_summary = run_pipeline(import_object(self.second_pipeline_cls), second_cfg)
         summary = {
-            "wall_s": sft_summary["wall_s"] + rlvr_summary["wall_s"],
-            "start_val_accuracy": rlvr_summary["start_val_accuracy"],
-            "final_val_accuracy": rlvr_summary["final_val_accuracy"],
-            "sft": sft_summary, "rlvr": rlvr_summary,
+            "wall_s": sft_summary["wall_s"] + second_summary["wall_s"],
+            "sft_val_accuracy": sft_summary["final_val_accuracy"],
+            "start_val_accuracy": second_summary["start_val_accuracy"],
+            "final_val_accuracy": second_summary["final_val_accuracy"],
+            "sft": sft_summary, second: second_summary,
         }
         with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         summary["plot"] = plot_run(cfg.run_dir)
         return summary
+
+
+class DemoPipeline(TwoStagePipeline):
+    config_cls = DemoConfig
 
 
 def _from_checkpoint(role: RoleConfig | None, checkpoint: str) -> RoleConfig | None:

@@ -299,7 +299,7 @@ class RolloutDemoConfig(DemoConfig):
 
 class RolloutDemoPipeline(DemoPipeline):
     config_cls = RolloutDemoConfig
-    rlvr_pipeline_cls = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
+    second_pipeline_cls = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
 
 
 __all__ = ["RolloutDemoConfig", "RolloutDemoPipeline", "RolloutRLVRConfig", "RolloutRLVRPipeline", "engine_roles"]
