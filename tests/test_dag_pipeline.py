@@ -187,28 +187,6 @@ def test_two_dag_workers_train_as_the_single_controller_does(tmp_path, ray_clust
 
 
 @pytest.mark.ray
-def test_two_dag_workers_run_a_graph_that_splits_as_the_single_controller_does(tmp_path, ray_cluster):
-    """PPO with dag_ppo.yaml's graph (three subgraphs, colocated on both ranks): actor, critic and reference fsdp2
-    on two slots, one mini-batch (the loop and the ranks then cut the rows alike)."""
-    fields = dict(PPO, algorithm=dataclasses.replace(PPO["algorithm"], num_mini_batches_per_step=1))
-
-    def pair(cls, run_dir, **more):
-        config = fsdp2_pair(cls, run_dir, **fields, **more)
-        critic = dataclasses.replace(config.critic, world_size=2, strategy=dataclasses.replace(
-            config.critic.strategy, name="fsdp2"))
-        return dataclasses.replace(config, critic=critic)
-
-    run(RLVRPipeline, pair(RLVRConfig, tmp_path / "loop"))
-    run(DAGPipeline, pair(DAGConfig, tmp_path / "dag", dag=MULTI, workflow=ppo_example_workflow()))
-    loop, dag = records(tmp_path / "loop"), records(tmp_path / "dag")
-    assert [r["step"] for r in dag] == [0, 1, 2] and "critic/vf_loss" in dag[-1]
-    for a, b in zip(loop, dag):
-        assert a.keys() == b.keys(), a["step"]
-        for key, value in a.items():
-            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
-
-
-@pytest.mark.ray
 def test_a_node_failing_on_the_dag_workers_names_node_rank_and_traceback(tmp_path, ray_cluster):
     _, demo = resolve(os.path.join(EXAMPLES, "dag_grpo.yaml"), [])
     workflow = json.loads(json.dumps(demo.rlvr.workflow))
