@@ -26,7 +26,7 @@ compute worker are CPU-only workers of `AUX_WORKER_CPUS` Ray CPUs each. Same see
 
 --quick is a smoke run (fewer steps and prompts); its figures are not the bench's.
 
-    .venv/bin/python bench/dag.py [--quick] [--repeats 2] [--json /tmp/dag_bench.json] [--check]
+    .venv/bin/python bench/dag.py [--quick] [--repeats 2] [--num-prompts 16] [--json /tmp/dag_bench.json] [--check]
 """
 
 from __future__ import annotations
@@ -207,9 +207,12 @@ def main() -> int:
     parser = common_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2, help="runs per side of the step-time comparison")
     parser.add_argument("--run-dir", default="runs/bench_dag")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"prompts per step of the step-time and branch runs (default {NUM_PROMPTS}; the demo's GRPO: 64)")
     args = parser.parse_args()
     q = args.quick
     num_prompts, num_steps = (NUM_PROMPTS_QUICK, NUM_STEPS_QUICK) if q else (NUM_PROMPTS, NUM_STEPS)
+    num_prompts = args.num_prompts or num_prompts
     rss_prompts, rss_steps = (RSS_PROMPTS_QUICK, RSS_STEPS_QUICK) if q else (RSS_PROMPTS, RSS_STEPS)
     torch.set_num_threads(1)
     multi = multi_controller_built(args.run_dir)
