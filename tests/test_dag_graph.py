@@ -748,12 +748,13 @@ def test_rlvr_workflow_grpo():
 
     graph = rlvr_workflow()
     assert graph.graph_id == "grpo"
-    assert graph.topological_order() == ["data", "rollout", "reward", "old_log_prob", "advantage", "metrics",
-                                         "actor_train", "sync"]
+    assert graph.topological_order() == ["data", "rollout", "reward", "old_log_prob", "advantage", "actor_train",
+                                         "sync", "metrics"]
     assert "ref_log_prob" not in graph.nodes and "values" not in graph.nodes and "critic_train" not in graph.nodes
     assert graph.parents("advantage") == ["old_log_prob"]
     assert graph.parents("actor_train") == ["advantage"]
-    assert graph.exits() == ["metrics", "sync"]
+    assert graph.exits() == ["sync", "metrics"]
+    assert graph.parents("metrics") == ["advantage", "actor_train"]  # after the update, beside the sync
     assert graph.nodes["old_log_prob"].only_forward_compute is True
     assert graph.nodes["rollout"].output_mode == "replace"
     into_adv = graph.columns_into("advantage")
@@ -784,8 +785,8 @@ def test_rlvr_workflow_with_reference_and_critic():
 
     graph = rlvr_workflow(has_reference=True, has_critic=True)
     order = graph.topological_order()
-    assert order == ["data", "rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage", "metrics",
-                     "critic_train", "actor_train", "sync"]
+    assert order == ["data", "rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage",
+                     "critic_train", "actor_train", "sync", "metrics"]
     assert graph.parents("ref_log_prob") == ["reward"] and graph.parents("values") == ["reward"]
     assert graph.parents("advantage") == ["old_log_prob", "ref_log_prob", "values"]
     assert graph.parents("critic_train") == ["advantage"]

@@ -132,7 +132,7 @@ def test_dag_plan_prints_the_table_and_draws_the_graph(tmp_path, capsys):
                      "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "sg1      | 4-6   | 1             | critic_train" in out  # the two updates on disjoint workers
-    assert "actor_train -> sync" in out and "(values, critic_train)" not in out
+    assert "actor_train -> metrics -> sync" in out and "(values, critic_train)" not in out
     assert png.read_bytes().startswith(b"\x89PNG")
     assert cli_main(["dag", "plan", os.path.join(EXAMPLES, "dag_ppo.yaml"), "--png", str(png)]) == 2  # not overwritten
     assert "exists" in capsys.readouterr().err
