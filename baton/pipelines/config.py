@@ -16,7 +16,8 @@ from baton.config import ConfigError, find_file
 from baton.distributed import WorkerConfig
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 
-MODEL_ROLES = ("actor", "rollout", "reference", "critic", "reward_model", "policy")  # "policy": actor + rollout fused
+# "policy": actor + rollout fused
+MODEL_ROLES = ("actor", "rollout", "reference", "teacher", "critic", "reward_model", "policy")
 
 
 @dataclass

@@ -15,7 +15,8 @@ from baton.algorithms import (
     agg_loss, compute_policy_loss, compute_rollout_correction, count_loss_units, entropy_loss, kl_penalty, loss_unit,
     num_loss_units, value_loss,
 )
-from baton.algorithms.utils import masked_count
+from baton.algorithms.distill import check_top_k, forward_kl, reverse_kl, token_distill_loss, with_tail
+from baton.algorithms.utils import masked_count, masked_mean
 from baton.data import DataProto
 
 
@@ -119,3 +120,53 @@ class SFTLoss:
     def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch.batch["response_mask"]
         return -(outputs["log_probs"] * mask).sum(), {}
+
+
+# The batch columns of the teacher's scores (`TeacherWorker.compute_top_k_log_probs`), [rows, response_len, k] each.
+TEACHER_TOP_K_LOG_PROBS, TEACHER_TOP_K_IDS = "teacher_top_k_log_probs", "teacher_top_k_ids"
+
+
+@dataclass(frozen=True)
+class DistillLoss:
+    """A token-level distillation loss (`baton.algorithms.distill`: forward_kl, reverse_kl, jsd with `beta`) of the
+    student against the teacher's top-k log-probs and ids in the batch, aggregated with `loss_agg_mode`, in sum form.
+    `log_probs_at` tells the strategy to return the student's log-probs at the teacher's ids ("log_probs_at").
+
+    Metrics (token means but distill/loss): the loss; both KLs on the top-k + tail outcomes, whichever the loss;
+    the mass the top-k covers of the teacher's and of the student's distribution; the share of tokens where the
+    student's most likely of the k is the teacher's top-1; the student's entropy."""
+
+    loss_type: str = "forward_kl"
+    beta: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    log_probs_at: str = TEACHER_TOP_K_IDS
+
+    @property
+    def entropy_grad(self) -> bool:
+        return False  # the entropy is a metric here
+
+    def __call__(self, outputs: dict[str, torch.Tensor], batch: DataProto
+                 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+        mask = batch.batch["response_mask"]
+        for name in (TEACHER_TOP_K_LOG_PROBS, TEACHER_TOP_K_IDS):
+            if name not in batch.batch:
+                raise ValueError(f"the distillation loss needs the teacher's {name!r} in the batch (the teacher's "
+                                 "compute_top_k_log_probs of these responses); compute them first")
+        teacher, ids = batch.batch[TEACHER_TOP_K_LOG_PROBS], batch.batch[TEACHER_TOP_K_IDS]
+        check_top_k(teacher, ids)
+        if "log_probs_at" not in outputs:
+            raise ValueError("the actor's strategy returned no log-probs at the teacher's top-k ids (outputs "
+                             f"{sorted(outputs)}); it cannot distil: use actor.strategy.name hf or fsdp2")
+        student = outputs["log_probs_at"]  # [rows, response_len, k], with gradients
+        per_token = token_distill_loss(self.loss_type, student, teacher, self.beta)
+        loss = agg_loss(per_token, mask, self.loss_agg_mode)
+        with torch.no_grad():
+            s, t = with_tail(student.detach().float()), with_tail(teacher.float())
+            stats = {"distill/forward_kl": forward_kl(s, t), "distill/reverse_kl": reverse_kl(s, t),
+                     "distill/teacher_top_k_mass": teacher.float().exp().sum(-1),
+                     "distill/student_top_k_mass": student.detach().float().exp().sum(-1),
+                     "distill/top1_agreement": (student.detach().argmax(-1) == 0).float()}
+        out = {"distill/loss": unit_metric(loss, mask, self.loss_agg_mode),
+               **{name: token_metric(float(masked_mean(value, mask)), mask) for name, value in stats.items()},
+               "actor/entropy": token_metric(float(masked_mean(outputs["entropy"].detach(), mask)), mask)}
+        return loss * num_loss_units(mask, self.loss_agg_mode), out

@@ -18,6 +18,8 @@ non-tensor columns repeated to match:
     finish_reason    (non-tensor) "stop" (a stop token was sampled) or "length" (max_new_tokens hit)
 forward() input: input_ids, attention_mask, responses (position_ids optional);
 forward() output: log_probs and entropy [rows, response_len] (causal LMs) or values (critics).
+top_k_log_probs(batch, k) output (`TorchStrategy`: hf, fsdp2; a distillation teacher's): top_k_log_probs float32 and
+    top_k_ids int64, each [rows, response_len, k], each position's k most likely next tokens, most likely first.
 """
 
 from __future__ import annotations

@@ -157,20 +157,37 @@ class TorchStrategy:
 
     # --- inference ------------------------------------------------------------------------------
 
-    def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True,
-                 entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+    def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True, entropy_grad: bool = True,
+                 log_probs_at: str | None = None, top_k: int = 0) -> dict[str, torch.Tensor]:
+        """The module's outputs (see `RLHead`); `log_probs_at` names a batch column of token ids [rows, len, k]."""
         data = batch.batch
         attention_mask = data["attention_mask"].to(self.device)
         position_ids = data["position_ids"].to(self.device) if "position_ids" in data else position_ids_from_mask(attention_mask)
+        ids = None
+        if log_probs_at is not None:
+            if log_probs_at not in data:
+                raise ValueError(f"the loss asks for the log-probs at the token ids in column {log_probs_at!r}, which "
+                                 f"this batch lacks (it has {sorted(data.keys())}); compute it first")
+            ids = data[log_probs_at].to(self.device)
         with self._autocast():
             return self.module(data["input_ids"].to(self.device), attention_mask, position_ids,
-                               data["responses"].to(self.device), temperature, with_entropy, entropy_grad)
+                               data["responses"].to(self.device), temperature, with_entropy, entropy_grad,
+                               log_probs_at=ids, top_k=top_k)
 
     @torch.no_grad()
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
         self.module.eval()
         parts = [self._outputs(mb, temperature) for mb in self._micro_batches(batch)]
         return DataProto.from_dict({k: torch.cat([p[k] for p in parts])[: len(batch)].cpu() for k in parts[0]})
+
+    @torch.no_grad()
+    def top_k_log_probs(self, batch: DataProto, k: int, temperature: float = 1.0) -> DataProto:
+        """`top_k_log_probs` (float32) and `top_k_ids` (int64), each [rows, response_len, k]: each response position's
+        k most likely next tokens (a distillation teacher's scores). Only these leave the strategy, never the
+        full-vocabulary distribution."""
+        self.module.eval()
+        parts = [self._outputs(mb, temperature, top_k=k) for mb in self._micro_batches(batch)]
+        return DataProto.from_dict({key: torch.cat([p[key] for p in parts])[: len(batch)].cpu() for key in parts[0]})
 
     # --- training --------------------------------------------------------------------------------
 
@@ -197,8 +214,10 @@ class TorchStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, metric_sums = 0.0, {}  # metric_sums: name -> [sum, count] over this rank's micro-batches
         for micro_batch in self._micro_batches(batch):
+            # A loss with `log_probs_at` (a column of token ids [rows, len, k]) also gets their log-probs (distillation).
             outputs = self._outputs(micro_batch, temperature=sampling_temperature(micro_batch),
-                                    entropy_grad=getattr(loss_fn, "entropy_grad", True))
+                                    entropy_grad=getattr(loss_fn, "entropy_grad", True),
+                                    log_probs_at=getattr(loss_fn, "log_probs_at", None))
             micro_batch = micro_batch.to(self.device)
             loss_sum, metrics = loss_fn(outputs, micro_batch)
             padding = micro_batch.meta_info.get("baton_padding")  # keeps collectives in step; contributes nothing

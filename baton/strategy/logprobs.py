@@ -134,12 +134,75 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
     return torch.cat(out_lp).reshape(rows, length), torch.cat(out_ent).reshape(rows, length)
 
 
+def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    logits = (hidden @ weight.T).float()  # [tokens, vocab]; float32 as in `_chunk_log_probs`
+    return torch.log_softmax(logits * inv_temperature if inv_temperature != 1.0 else logits, dim=-1)
+
+
+def _chunk_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                        inv_temperature: float) -> torch.Tensor:
+    return _chunk_log_softmax(hidden, weight, inv_temperature).gather(-1, ids)
+
+
+def check_top_k_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"token ids in [{int(ids.min())}, {int(ids.max())}] are outside this model's vocabulary of "
+                         f"{vocab_size}; the model that chose them must share this model's tokenizer")
+
+
+def token_log_probs_at(hidden: torch.Tensor, lm_head: torch.nn.Module, ids: torch.Tensor, temperature: float = 1.0,
+                       chunk_size: int = 1024) -> torch.Tensor:
+    """log p(id) at `temperature` for k given token ids per position (e.g. another model's top-k), a chunk of
+    positions at a time, recomputed in the backward pass like `token_log_probs`.
+
+    hidden [rows, len, hidden], ids [rows, len, k] → float32 [rows, len, k]."""
+    rows, length, k = ids.shape
+    check_top_k_ids(ids, lm_head.weight.shape[0])
+    flat_hidden, flat_ids = hidden.reshape(rows * length, -1), ids.reshape(rows * length, k)
+    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    out = []
+    for start in range(0, rows * length, chunk_size):
+        args = (flat_hidden[start : start + chunk_size], lm_head.weight, flat_ids[start : start + chunk_size],
+                inv_temperature)
+        out.append(checkpoint(_chunk_log_probs_at, *args, use_reentrant=False) if torch.is_grad_enabled()
+                   else _chunk_log_probs_at(*args))
+    if not out:
+        return flat_hidden.new_zeros((rows, length, k), dtype=torch.float32)
+    return torch.cat(out).reshape(rows, length, k)
+
+
+@torch.no_grad()
+def token_top_k(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int, temperature: float = 1.0,
+                chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's k most likely next tokens at `temperature`: (log-probs float32, ids int64), each
+    [rows, len, k], most likely first; the full-vocabulary log-softmax exists for one chunk of positions at a time."""
+    vocab_size = lm_head.weight.shape[0]
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"top-k k={k} must be in [1, {vocab_size}] (this model's vocabulary); k = {vocab_size} "
+                         "sends the full distribution")
+    rows, length = hidden.shape[:2]
+    flat_hidden = hidden.reshape(rows * length, -1)
+    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    values, ids = [], []
+    for start in range(0, rows * length, chunk_size):
+        top = _chunk_log_softmax(flat_hidden[start : start + chunk_size], lm_head.weight, inv_temperature).topk(k, -1)
+        values.append(top.values)
+        ids.append(top.indices)
+    if not values:
+        return flat_hidden.new_zeros((rows, length, k), dtype=torch.float32), torch.zeros(
+            (rows, length, k), dtype=torch.long, device=hidden.device)
+    return torch.cat(values).reshape(rows, length, k), torch.cat(ids).reshape(rows, length, k)
+
+
 class RLHead(torch.nn.Module):
     """Wraps an HF model so that one forward call returns what RL needs for the response tokens.
 
     Going through this module's forward (rather than reaching into the model's weights from
     outside) is what lets FSDP gather the weights of the embedding and LM head when they are used.
     causal LMs: {"log_probs", "entropy"}; kind "value" (token classifiers): {"values"}; each [rows, response_len].
+    A causal LM given `log_probs_at` (token ids [rows, response_len, k]) also returns "log_probs_at", the log-probs
+    of those ids [rows, response_len, k]; given `top_k` > 0 it returns only "top_k_log_probs" and "top_k_ids"
+    [rows, response_len, top_k] (`token_top_k`).
     """
 
     def __init__(self, model: torch.nn.Module, kind: str, chunk_size: int):
@@ -149,7 +212,8 @@ class RLHead(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
-                with_entropy: bool = True, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+                with_entropy: bool = True, entropy_grad: bool = True, log_probs_at: torch.Tensor | None = None,
+                top_k: int = 0) -> dict[str, torch.Tensor]:
         response_len = responses.shape[1]
         if self.kind == "value":
             score = getattr(self.model, "score", None)  # the value head of Qwen2/Llama-style token classifiers
@@ -160,6 +224,13 @@ class RLHead(torch.nn.Module):
             hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
             return {"values": score(hidden)[..., 0].float()}
         hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
-        log_probs, entropy = token_log_probs(hidden, self.model.get_output_embeddings(), responses, temperature,
-                                             self.chunk_size, with_entropy, entropy_grad)
-        return {"log_probs": log_probs, "entropy": entropy}
+        lm_head = self.model.get_output_embeddings()
+        if top_k:
+            values, ids = token_top_k(hidden, lm_head, top_k, temperature, self.chunk_size)
+            return {"top_k_log_probs": values, "top_k_ids": ids}
+        log_probs, entropy = token_log_probs(hidden, lm_head, responses, temperature, self.chunk_size, with_entropy,
+                                             entropy_grad)
+        out = {"log_probs": log_probs, "entropy": entropy}
+        if log_probs_at is not None:
+            out["log_probs_at"] = token_log_probs_at(hidden, lm_head, log_probs_at, temperature, self.chunk_size)
+        return out

@@ -1,4 +1,4 @@
-"""The role workers: actor, rollout, reference, critic (model roles) and reward (plain CPU logic)."""
+"""The role workers: actor, rollout, reference, teacher, critic (model roles) and reward (plain CPU logic)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from baton.models import load_tokenizer
 from baton.rewards import (PRED, REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, RewardRoutes, ScoringPool,
                            overlong_penalty, score_rows)
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.logprobs import sampling_temperature
 from baton.workers.model import ModelWorker
 
 
@@ -68,6 +69,18 @@ class RolloutWorker(ModelWorker):
 
 class ReferenceWorker(ModelWorker):
     """A frozen copy of the initial policy, for KL terms: `compute_log_probs` only."""
+
+
+class TeacherWorker(RolloutWorker):
+    """A frozen model that a student distils: its top-k log-probs of every response token, and (as a rollout) its own
+    responses to prompts. Never trained, never synced."""
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_top_k_log_probs(self, batch: DataProto, k: int) -> DataProto:
+        """`top_k_log_probs` and `top_k_ids` [rows, response_len, k] at the batch's temperature
+        (`sampling_temperature`), computed here: only k values and ids per token cross to the driver or the student,
+        never a full-vocabulary tensor."""
+        return self.strategy.top_k_log_probs(batch, k, temperature=sampling_temperature(batch))
 
 
 class CriticWorker(ModelWorker):
