@@ -1,5 +1,5 @@
 """Pure tensor functions of RL post-training: advantage estimators, policy and value losses, KL
-estimators, loss aggregation, off-policy rollout corrections and masked statistics. Tensors are [batch, response_len];
+estimators, distillation losses, loss aggregation, off-policy rollout corrections and masked statistics. Tensors are [batch, response_len];
 `response_mask` is 1 on real response tokens; names and semantics follow verl."""
 
 from baton.algorithms.advantages import (
@@ -30,6 +30,7 @@ from baton.algorithms.aggregation import (
     loss_unit,
     num_loss_units,
 )
+from baton.algorithms.distill import DISTILL_LOSSES, distillation_loss, get_distill_loss, register_distill_loss
 from baton.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -63,13 +64,14 @@ from baton.algorithms.rollout_correction import (
 from baton.algorithms.utils import masked_mean, masked_var, masked_whiten
 
 __all__ = [
-    "ADV_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES", "ROLLOUT_CORRECTIONS",
-    "AdaptiveKLController", "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty", "cispo_loss",
-    "clip_cov_loss", "compute_advantages", "compute_policy_loss", "compute_rollout_correction", "count_loss_units",
-    "entropy_loss", "estimator_needs", "estimator_params", "gae", "gdpo", "get_adv_estimator", "get_kl_estimator",
-    "get_policy_loss", "get_rollout_correction", "gpg", "gpg_loss", "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss",
-    "kl_penalty", "loss_unit", "masked_mean", "masked_var", "masked_whiten", "num_loss_units", "opo",
-    "policy_loss_params", "ppo_clip_loss", "register_adv_estimator", "register_kl_estimator", "register_policy_loss",
+    "ADV_ESTIMATORS", "DISTILL_LOSSES", "KL_ESTIMATORS", "LOSS_AGG_UNITS", "LOSS_UNITS", "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS", "AdaptiveKLController", "EstimatorNeeds", "agg_loss", "agg_loss_sum", "apply_kl_penalty",
+    "cispo_loss", "clip_cov_loss", "compute_advantages", "compute_policy_loss", "compute_rollout_correction",
+    "count_loss_units", "distillation_loss", "entropy_loss", "estimator_needs", "estimator_params", "gae", "gdpo",
+    "get_adv_estimator", "get_distill_loss", "get_kl_estimator", "get_policy_loss", "get_rollout_correction", "gpg",
+    "gpg_loss", "grpo", "grpo_passk", "gspo_loss", "kl_cov_loss", "kl_penalty", "loss_unit", "masked_mean",
+    "masked_var", "masked_whiten", "num_loss_units", "opo", "policy_loss_params", "ppo_clip_loss",
+    "register_adv_estimator", "register_distill_loss", "register_kl_estimator", "register_policy_loss",
     "register_rollout_correction", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
     "rollout_correction_params", "value_loss",
 ]

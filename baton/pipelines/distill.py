@@ -76,7 +76,7 @@ class DistillConfig:
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/distill"))
 
     @property
-    def responses(self) -> str:
+    def response_source(self) -> str:
         """Whose responses the student trains on: "dataset", "teacher" or (on_policy) "student"."""
         if self.algorithm.mode == "on_policy":
             return "student"
@@ -129,7 +129,8 @@ class DistillConfig:
         if teacher.strategy.name != "hf":
             raise ConfigError(f"teacher.strategy.name {teacher.strategy.name!r}: the teacher runs on the 'hf' strategy "
                               "(it computes top-k log-probs and generates)")
-        rows = self.trainer.num_prompts_per_step * (1 if self.responses == "dataset" else self.sampling.num_samples_per_prompt)
+        samples = 1 if self.response_source == "dataset" else self.sampling.num_samples_per_prompt
+        rows = self.trainer.num_prompts_per_step * samples
         workers = self.actor.num_workers("actor")
         if rows % workers:
             raise ConfigError(f"a step's {rows} responses do not split evenly over the {workers} actor workers; make "
@@ -181,7 +182,7 @@ class DistillPipeline(Pipeline):
     def load_data(cls, config: DistillConfig):
         """Off-policy on the dataset: one row per response (as SFT's); otherwise the prompts, each once."""
         train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
-        if config.responses == "dataset":
+        if config.response_source == "dataset":
             train = train.one_response_per_row(config.data.sft_response_key)
         return train, val, tokenizer
 
@@ -191,11 +192,11 @@ class DistillPipeline(Pipeline):
         """The step's responses to score and train on, in the generate() layout, at the distillation temperature;
         and their metrics."""
         data, sampling = self.config.data, self.config.sampling
-        if self.config.responses == "dataset":
+        if self.config.response_source == "dataset":
             batch = collate_sft(self.train_data, indices, self.tokenizer, data.max_prompt_len, data.sft_response_key)
         else:
             prompts = collate_prompts(self.train_data, indices, self.tokenizer, data.max_prompt_len)
-            if self.config.responses == "student":
+            if self.config.response_source == "student":
                 self.update_pairs[0].sync()  # the rollout samples with the student's latest weights
                 generator = self.rollout
             else:
@@ -260,4 +261,4 @@ class DistillPipeline(Pipeline):
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_loss=metrics.get("distill/loss"),
                                         teacher_val_accuracy=teacher_accuracy, mode=algo.mode,
-                                        responses=self.config.responses, loss_type=algo.loss_type))
+                                        response_source=self.config.response_source, loss_type=algo.loss_type))
