@@ -64,6 +64,10 @@ class StrategyConfig:
         gradient accumulation by row count, or greedily by a token budget; at most one of them.
     logprob_chunk_size: tokens per chunk when turning hidden states into log-probs, so a full
         vocabulary float32 log-softmax never exists for the whole batch.
+    trim_padding: run the model on each micro-batch without the columns that are padding in all its rows
+        (`baton.strategy.padding`): a micro-batch of short rows cut from a batch padded to a long one costs
+        only its own length. Outputs at the real tokens are those of the padded micro-batch up to float
+        rounding; padding positions get zeros. A single micro-batch of the whole batch has no such columns.
     dtype: the parameters' dtype, and so the optimizer's: AdamW updates parameters of this dtype.
     compute_dtype: None computes in `dtype`; "bfloat16" is mixed precision: the parameters stay in
         `dtype` (which must be float32: the master copy, with float32 gradients and AdamW state),
@@ -86,6 +90,7 @@ class StrategyConfig:
     max_tokens_per_microbatch: int | None = None
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
+    trim_padding: bool = True
     tokenizer: str | None = None  # local tokenizer directory; None: the shipped character tokenizer
     # An inference engine's own settings (the `vllm` strategy: more `vllm.EngineArgs` fields, e.g. kv_cache_memory_bytes,
     # gpu_memory_utilization, max_model_len, max_num_seqs); the other strategies take none.

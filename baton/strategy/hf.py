@@ -28,6 +28,7 @@ from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
+from baton.strategy.padding import pad_responses, trim_padding
 from baton.strategy.sampling import generation_output, sample
 
 
@@ -159,7 +160,11 @@ class TorchStrategy:
 
     def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True, entropy_grad: bool = True,
                  log_probs_at: str | None = None, top_k: int = 0) -> dict[str, torch.Tensor]:
-        """The module's outputs (see `RLHead`); `log_probs_at` names a batch column of token ids [rows, len, k]."""
+        """The module's outputs (see `RLHead`); `log_probs_at` names a batch column of token ids [rows, len, k]. Runs
+        without the batch's all-padding columns (`trim_padding`); the outputs come back at the batch's width."""
+        tail = 0
+        if self.config.trim_padding:
+            batch, tail = trim_padding(batch)
         data = batch.batch
         attention_mask = data["attention_mask"].to(self.device)
         position_ids = data["position_ids"].to(self.device) if "position_ids" in data else position_ids_from_mask(attention_mask)
@@ -170,9 +175,10 @@ class TorchStrategy:
                                  f"this batch lacks (it has {sorted(data.keys())}); compute it first")
             ids = data[log_probs_at].to(self.device)
         with self._autocast():
-            return self.module(data["input_ids"].to(self.device), attention_mask, position_ids,
-                               data["responses"].to(self.device), temperature, with_entropy, entropy_grad,
-                               log_probs_at=ids, top_k=top_k)
+            outputs = self.module(data["input_ids"].to(self.device), attention_mask, position_ids,
+                                  data["responses"].to(self.device), temperature, with_entropy, entropy_grad,
+                                  log_probs_at=ids, top_k=top_k)
+        return pad_responses(outputs, tail)
 
     @torch.no_grad()
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
