@@ -60,10 +60,10 @@ def test_the_plot_shows_entropy_when_kl_is_off_and_drops_panels_nothing_fills():
     sft = records({"val/accuracy": 0.0, "val/response_length/mean": 3.0}, {"sft/loss": 2.0})
 
     assert [title for title, _ in choose_panels({"rlvr": grpo})] == [
-        "reward (RL) / loss (SFT, DPO)", "validation accuracy", "policy entropy (KL off)", "response length"]
+        "reward (RL) / loss (SFT, DPO, distillation)", "validation accuracy", "policy entropy (KL off)", "response length"]
     assert "KL to reference" in [title for title, _ in choose_panels({"rlvr": with_kl})]
     assert [title for title, _ in choose_panels({"sft": sft})] == [
-        "reward (RL) / loss (SFT, DPO)", "validation accuracy", "validation response length"]
+        "reward (RL) / loss (SFT, DPO, distillation)", "validation accuracy", "validation response length"]
 
 
 def test_plot_run_writes_a_png_for_a_run_without_kl(tmp_path):

@@ -12,7 +12,7 @@ from baton.tracking.tracker import read_metrics
 # with none of them is left out (a run without KL shows entropy; an SFT-only run has neither). A key may be a
 # glob pattern; the panel draws the logged key it matches with the largest number in it (pass@n, not pass@2).
 PANELS = [
-    [("reward (RL) / loss (SFT, DPO)", ["critic/score/mean", "sft/loss", "dpo/loss"])],
+    [("reward (RL) / loss (SFT, DPO, distillation)", ["critic/score/mean", "sft/loss", "dpo/loss", "distill/loss"])],
     [("validation accuracy", ["val/accuracy", "val/pass@*"])],
     [("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]), ("policy entropy (KL off)", ["actor/entropy"])],
     [("response length", ["response_length/mean"]), ("validation response length", ["val/response_length/mean"])],
