@@ -26,7 +26,8 @@ sampled with psutil) and divides them by the machine's cores (`floor s`): no sch
 time on this machine, so where the floor is above max(gen, train) the cores, not the overlap, bound the step.
 
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1] [--run-dir runs/bench_rollout]
-                                      [--sft-checkpoint PATH] [--fresh] [--json /tmp/rollout.json] [--check]
+                                      [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--json /tmp/rollout.json]
+                                      [--check]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def sft_checkpoint(run_dir: str, fresh: bool, num_steps: int) -> str:
 
 
 def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int,
-                seed: int) -> RolloutRLVRConfig:
+                seed: int, trim_padding: bool = True) -> RolloutRLVRConfig:
     """The demo's GRPO stage on the rollout system in `mode`, from `checkpoint`, with the bench's batch and update."""
     base = _demo_rlvr_default()
     trainer = dataclasses.replace(
@@ -110,7 +111,7 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
         run_dir=run_dir, overwrite=True, backend="ray", num_cpus=NUM_RAY_CPUS, progress_bar=False)
     actor, rollout = _from_checkpoint(base.actor, checkpoint), _from_checkpoint(base.rollout, checkpoint)
     actor = dataclasses.replace(actor, device_mapping=[0], num_threads_per_worker=1, strategy=dataclasses.replace(
-        actor.strategy, seed=seed, micro_batch_size_per_worker=MICRO_BATCH_SIZE,
+        actor.strategy, seed=seed, micro_batch_size_per_worker=MICRO_BATCH_SIZE, trim_padding=trim_padding,
         optimizer=dataclasses.replace(actor.strategy.optimizer, lr=LR)))
     rollout = dataclasses.replace(rollout, world_size=1, device_mapping=[1], num_threads_per_worker=1,
                                   strategy=dataclasses.replace(rollout.strategy, seed=seed))
@@ -171,11 +172,12 @@ class CpuMeter:
         return (end - start) / (last_step - first_step)
 
 
-def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int) -> dict:
+def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int,
+             trim_padding: bool = True) -> dict:
     """One GRPO run; its step split (medians over the steps after the warm-up), the CPU seconds a step used (all
     processes), accuracies and wall time."""
     start = time.perf_counter()
-    config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed)
+    config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed, trim_padding)
     with contextlib.suppress(FileNotFoundError):  # the meter counts this run's steps only (overwrite=True)
         os.remove(os.path.join(run_dir, "metrics.jsonl"))
     with CpuMeter(os.path.join(run_dir, "metrics.jsonl")) as meter:
@@ -209,6 +211,8 @@ def main() -> int:
     parser.add_argument("--sft-checkpoint", metavar="PATH", help="an HF checkpoint directory to start GRPO from")
     parser.add_argument("--sft-steps", type=int, default=SFT_STEPS, help=f"SFT steps (default {SFT_STEPS})")
     parser.add_argument("--fresh", action="store_true", help="train the SFT checkpoint again")
+    parser.add_argument("--no-trim-padding", dest="trim_padding", action="store_false",
+                        help="the actor's micro-batches keep their all-padding columns (strategy.trim_padding off)")
     args = parser.parse_args()
     num_steps = args.steps or (NUM_STEPS_QUICK if args.quick else NUM_STEPS)
     num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else NUM_PROMPTS_PER_STEP
@@ -228,7 +232,7 @@ def main() -> int:
         for seed in args.seeds:
             for mode in MODES:
                 run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
-                               num_prompts_per_step, seed)
+                               num_prompts_per_step, seed, args.trim_padding)
                 runs.append(run)
                 print(f"  seed {seed} {mode:>12}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
                       f"{run['wall_s']:.0f} s, load average {load_average()}", flush=True)
@@ -282,6 +286,7 @@ def main() -> int:
         "sync_gen_s": sync_gen_s, "sync_train_s": sync_train_s, "modes": per_mode,
         "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step, "samples_per_prompt": SAMPLES_PER_PROMPT,
         "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS, "seeds": args.seeds, "quick": args.quick,
+        "trim_padding": args.trim_padding,
         "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "load_average_start": load_start,
         "load_average_end": load_end, "runs": runs,
     }
