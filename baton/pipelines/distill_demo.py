@@ -1,6 +1,7 @@
 """The distillation demo: SFT trains a teacher (`small-qwen2`) on the exact arithmetic; a `tiny-qwen2` student
-from a random start distils it on-policy (it samples, the teacher scores every token); the same student from the same start learns by SFT alone on the same data, steps
-and learning rate, side by side; the summary says at which step each reached 80% of the teacher's accuracy.
+from a random start distils it on-policy (it samples, the teacher scores every token); the same student from the
+same start learns by SFT alone on the same data, steps and learning rate, side by side; the summary says at which
+step each reached 80% of the teacher's accuracy.
 """
 
 from __future__ import annotations
