@@ -26,7 +26,8 @@ sampled with psutil) and divides them by the machine's cores (`floor s`): no sch
 time on this machine, so where the floor is above max(gen, train) the cores, not the overlap, bound the step.
 
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1] [--run-dir runs/bench_rollout]
-                                      [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--json /tmp/rollout.json]
+                                      [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--probe-every-syncs N]
+                                      [--json /tmp/rollout.json]
                                       [--check]
 """
 
@@ -102,7 +103,7 @@ def sft_checkpoint(run_dir: str, fresh: bool, num_steps: int) -> str:
 
 
 def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int,
-                seed: int, trim_padding: bool = True) -> RolloutRLVRConfig:
+                seed: int, trim_padding: bool = True, probe_every_syncs: int = 1) -> RolloutRLVRConfig:
     """The demo's GRPO stage on the rollout system in `mode`, from `checkpoint`, with the bench's batch and update."""
     base = _demo_rlvr_default()
     trainer = dataclasses.replace(
@@ -120,7 +121,8 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
     return dataclasses.replace(
         base, actor=actor, rollout=rollout, data=DemoConfig().data, trainer=trainer, algorithm=algorithm,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, num_samples_per_prompt=SAMPLES_PER_PROMPT),
-        rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS, poll_s=POLL_S))
+        rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS, poll_s=POLL_S,
+                                           probe_every_syncs=probe_every_syncs))
 
 
 class CpuMeter:
@@ -173,11 +175,12 @@ class CpuMeter:
 
 
 def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int,
-             trim_padding: bool = True) -> dict:
+             trim_padding: bool = True, probe_every_syncs: int = 1) -> dict:
     """One GRPO run; its step split (medians over the steps after the warm-up), the CPU seconds a step used (all
     processes), accuracies and wall time."""
     start = time.perf_counter()
-    config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed, trim_padding)
+    config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed, trim_padding,
+                         probe_every_syncs)
     with contextlib.suppress(FileNotFoundError):  # the meter counts this run's steps only (overwrite=True)
         os.remove(os.path.join(run_dir, "metrics.jsonl"))
     with CpuMeter(os.path.join(run_dir, "metrics.jsonl")) as meter:
@@ -213,6 +216,9 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="train the SFT checkpoint again")
     parser.add_argument("--no-trim-padding", dest="trim_padding", action="store_false",
                         help="the actor's micro-batches keep their all-padding columns (strategy.trim_padding off)")
+    parser.add_argument("--probe-every-syncs", type=int, default=1, metavar="N",
+                        help="rollout_system.probe_every_syncs: check the weight sync on the first and every N-th "
+                             "sync (default 1, every sync, as the library's default)")
     args = parser.parse_args()
     num_steps = args.steps or (NUM_STEPS_QUICK if args.quick else NUM_STEPS)
     num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else NUM_PROMPTS_PER_STEP
@@ -232,7 +238,7 @@ def main() -> int:
         for seed in args.seeds:
             for mode in MODES:
                 run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
-                               num_prompts_per_step, seed, args.trim_padding)
+                               num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs)
                 runs.append(run)
                 print(f"  seed {seed} {mode:>12}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
                       f"{run['wall_s']:.0f} s, load average {load_average()}", flush=True)
@@ -286,7 +292,7 @@ def main() -> int:
         "sync_gen_s": sync_gen_s, "sync_train_s": sync_train_s, "modes": per_mode,
         "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step, "samples_per_prompt": SAMPLES_PER_PROMPT,
         "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS, "seeds": args.seeds, "quick": args.quick,
-        "trim_padding": args.trim_padding,
+        "trim_padding": args.trim_padding, "probe_every_syncs": args.probe_every_syncs,
         "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "load_average_start": load_start,
         "load_average_end": load_end, "runs": runs,
     }

@@ -289,3 +289,15 @@ def test_a_filter_that_drops_nearly_everything_stops_at_the_started_groups_limit
     record = steps(tmp_path)[1]
     assert record["rollout/num_groups_started"] == 8  # 2 × the 4 groups the step needs, no more
     assert record["rollout/num_groups"] == 1 and record["rollout/num_dropped/not_zero"] == 7
+
+
+def test_the_weight_sync_probe_checks_the_first_and_every_nth_sync(tmp_path):
+    pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1, probe_every_syncs=2))
+    try:  # the sync at start-up was the first (probed); then 1, 2, 3
+        probed = ["weight_sync/max_logprob_diff" in pipeline.rollouts.update_weights(pipeline.actor, version=v)
+                  for v in (1, 2, 3)]
+        assert probed == [False, True, False]
+    finally:
+        pipeline.shutdown()
+    with pytest.raises(ValueError, match="probe_every_syncs must be >= 1"):
+        RolloutSystemConfig(probe_every_syncs=0)

@@ -46,6 +46,10 @@ class RolloutSystemConfig:
     load_rollouts: a path template: train on the saved rollouts instead of generating (train-only mode: no engines
         start, and nothing is validated).
     rollout_only: generate (and save) each step's rollout and train nothing (the weights stay as loaded).
+    probe_every_syncs: the weight sync's probe (the engines' log-probs on a few fixed rows against the actor's)
+        runs on the first sync and then on every N-th; 1 checks every sync. Each check pauses the engines for a
+        forward pass: on the tiny demo model it is most of a sync's time. A wrong mapping of weights shows at the
+        first sync.
     """
 
     mode: str = "sync"
@@ -73,6 +77,7 @@ class RolloutSystemConfig:
     health_interval_s: float = 5.0
     max_retries: int = 2
     max_num_seqs_per_engine: int = 256
+    probe_every_syncs: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -100,6 +105,9 @@ class RolloutSystemConfig:
             if template is not None and "{rollout_id}" not in template:
                 raise ValueError(f"rollout_system.{name} {template!r} must contain '{{rollout_id}}' (e.g. "
                                  "runs/x/rollouts/{rollout_id}.jsonl)")
+        if self.probe_every_syncs < 1:
+            raise ValueError(f"rollout_system.probe_every_syncs must be >= 1 (1: every sync), got "
+                             f"{self.probe_every_syncs}")
         if self.rollout_only and self.load_rollouts is not None:
             raise ValueError("rollout_system.rollout_only with load_rollouts would neither generate nor train; set one")
         if self.mask_stale_partial_tokens and not self.partial_rollout:

@@ -139,6 +139,7 @@ class RolloutManager:
         self.num_groups_per_step = num_groups_per_step
         self.version = 0
         self.probe, self.probe_atol = probe, probe_atol
+        self._num_syncs = 0  # weight syncs so far in this process: the probe checks every `probe_every_syncs`-th
         self.eval_sets = eval_sets or {}
         self.eval_sampling_params = eval_sampling_params or SamplingParams(temperature=0.0, n=1)
         self.max_prompt_len, self.response_key = max_prompt_len, response_key
@@ -325,10 +326,12 @@ class RolloutManager:
     def update_weights(self, actor: Cluster, version: int, bucket_bytes: int = 256 << 20) -> dict[str, float]:
         """The actor's weights into every engine as `version`, in place: an engine loads them between two decode
         steps (its requests in flight hold meanwhile, then go on with the new weights) and is probe-checked against
-        the actor (its steps held for the probe's forward). The actor's probe log-probs and the export are done
-        first, while the engines keep generating."""
-        pairs = [ModelUpdatePair(actor, engine, self.probe, atol=self.probe_atol) for engine in self.engines]
-        ours = pairs[0].source_log_probs() if self.probe is not None and pairs else None
+        the actor (its steps held for the probe's forward) on the first sync and every `probe_every_syncs`-th. The
+        actor's probe log-probs and the export are done first, while the engines keep generating."""
+        probe = self.probe if self._num_syncs % self.config.probe_every_syncs == 0 else None
+        self._num_syncs += 1
+        pairs = [ModelUpdatePair(actor, engine, probe, atol=self.probe_atol) for engine in self.engines]
+        ours = pairs[0].source_log_probs() if probe is not None and pairs else None
         buckets = actor.export_weights(bucket_bytes)
         diffs = []
         for engine, pair in zip(self.engines, pairs):
