@@ -25,7 +25,7 @@ from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, Samp
                                     _check_data, _check_reward_fn, _reward_workers)
 from baton.pipelines.data import load_datasets
 from baton.pipelines.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.workers import RewardWorker, TeacherWorker
 
@@ -159,8 +159,7 @@ class DistillPipeline(Pipeline):
         super().__init__(config, config.trainer)
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         # Validation (and on-policy sampling) runs an hf rollout that shares (or receives) the student's weights.
-        rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
-                             device_mapping=(config.actor.device_mapping or [0])[:1])
+        rollout = validation_rollout(config.actor)
         colocate = config.actor.strategy.name == "hf"
         clusters = self.create_clusters({
             **policy_roles(config.actor, rollout),

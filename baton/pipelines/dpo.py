@@ -26,7 +26,7 @@ from baton.pipelines.base import Pipeline
 from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, SamplingConfig, TrainerConfig,
                                     _check_data, _check_reward_fn, _reward_workers)
 from baton.pipelines.data import load_datasets
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.workers import ReferenceWorker, RewardWorker
 
@@ -180,8 +180,7 @@ class DPOPipeline(Pipeline):
         super().__init__(config, config.trainer)
         self.sampler = PromptSampler(len(self.train_data) // 2, seed=config.trainer.seed)  # over pairs
         # Validation generates with an hf rollout that shares (or receives) the actor's weights, as in SFT.
-        rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
-                             device_mapping=(config.actor.device_mapping or [0])[:1])
+        rollout = validation_rollout(config.actor)
         colocate = config.actor.strategy.name == "hf"
         roles = {**policy_roles(config.actor, rollout),
                  "reward": (RewardWorker, config.reward, (

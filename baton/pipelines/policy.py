@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from baton.data import DataProto
@@ -21,6 +23,13 @@ def policy_roles(actor: RoleConfig, rollout: RoleConfig) -> dict[str, tuple]:
     """The actor and rollout entries of `Pipeline.create_clusters` (with the pipeline's other roles, so that
     all their processes start together)."""
     return {"actor": (ActorWorker, actor, (actor.strategy,)), "rollout": (RolloutWorker, rollout, (rollout.strategy,))}
+
+
+def validation_rollout(actor: RoleConfig) -> RoleConfig:
+    """The rollout that a pipeline with no rollout of its own (SFT, DPO, distillation) validates (and, on-policy,
+    samples) with: one hf worker on the actor's first device, sharing (or receiving) the actor's weights."""
+    return RoleConfig(strategy=dataclasses.replace(actor.strategy, name="hf"), world_size=1,
+                      device_mapping=(actor.device_mapping or [0])[:1])
 
 
 def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, colocated: bool,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from baton.datasets import PromptSampler, collate_sft
 from baton.pipelines.base import Pipeline
-from baton.pipelines.config import RoleConfig, SFTConfig
+from baton.pipelines.config import SFTConfig
 from baton.pipelines.losses import SFTLoss
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.workers import RewardWorker
 
 
@@ -21,8 +20,7 @@ class SFTPipeline(Pipeline):
         super().__init__(config, config.trainer)
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         # Validation generates with an hf rollout that shares (or receives) the actor's weights.
-        rollout = RoleConfig(strategy=dataclasses.replace(config.actor.strategy, name="hf"), world_size=1,
-                             device_mapping=(config.actor.device_mapping or [0])[:1])
+        rollout = validation_rollout(config.actor)
         colocate = config.actor.strategy.name == "hf"
         clusters = self.create_clusters({**policy_roles(config.actor, rollout),
                                          "reward": (RewardWorker, config.reward, (
