@@ -50,13 +50,13 @@ class Fsdp2Strategy(TorchStrategy):
         """No autocast: the `MixedPrecisionPolicy` casts the parameters for compute."""
         return contextlib.nullcontext()
 
-    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
-        """As `TorchStrategy.forward`, then reshards the root. FSDP2 keeps the root's parameters unsharded after a
-        forward (a backward would reshard them); left so, the module would expose the gathered copies instead of
-        the sharded parameters, so an optimizer built next would step copies that the next all-gather discards,
-        and loaded weights would land in them too."""
+    def _eval_outputs(self, batch: DataProto, temperature: float, top_k: int = 0) -> DataProto:
+        """As `TorchStrategy._eval_outputs` (forward, top-k log-probs), then reshards the root. FSDP2 keeps the
+        root's parameters unsharded after a forward (a backward would reshard them); left so, the module would expose
+        the gathered copies instead of the sharded parameters, so an optimizer built next would step copies that the
+        next all-gather discards, and loaded weights would land in them too."""
         try:
-            return super().forward(batch, temperature)
+            return super()._eval_outputs(batch, temperature, top_k)
         finally:
             self.module.reshard()
 

@@ -181,19 +181,20 @@ class TorchStrategy:
         return pad_responses(outputs, tail)
 
     @torch.no_grad()
-    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+    def _eval_outputs(self, batch: DataProto, temperature: float, top_k: int = 0) -> DataProto:
+        """The module's outputs over the batch's micro-batches, joined on CPU (a padding micro-batch's rows cut)."""
         self.module.eval()
-        parts = [self._outputs(mb, temperature) for mb in self._micro_batches(batch)]
+        parts = [self._outputs(mb, temperature, top_k=top_k) for mb in self._micro_batches(batch)]
         return DataProto.from_dict({k: torch.cat([p[k] for p in parts])[: len(batch)].cpu() for k in parts[0]})
 
-    @torch.no_grad()
+    def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        return self._eval_outputs(batch, temperature)
+
     def top_k_log_probs(self, batch: DataProto, k: int, temperature: float = 1.0) -> DataProto:
         """`top_k_log_probs` (float32) and `top_k_ids` (int64), each [rows, response_len, k]: each response position's
         k most likely next tokens (a distillation teacher's scores). Only these leave the strategy, never the
         full-vocabulary distribution."""
-        self.module.eval()
-        parts = [self._outputs(mb, temperature, top_k=k) for mb in self._micro_batches(batch)]
-        return DataProto.from_dict({key: torch.cat([p[key] for p in parts])[: len(batch)].cpu() for key in parts[0]})
+        return self._eval_outputs(batch, temperature, top_k=k)
 
     # --- training --------------------------------------------------------------------------------
 
