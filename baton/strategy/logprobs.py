@@ -86,14 +86,22 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     return torch.cat([last_prompt, response_hidden], dim=1)
 
 
+def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    # In mixed precision the matmul runs in bf16 (autocast, or FSDP2's bf16 parameters); the log-softmax (and the
+    # entropy from it) always run on float32 logits, so their error is the matmul's rounding, not bf16's over the
+    # vocabulary.
+    logits = (hidden @ weight.T).float()  # [tokens, vocab]
+    return torch.log_softmax(logits * inv_temperature if inv_temperature != 1.0 else logits, dim=-1)
+
+
+def _check_no_bias(lm_head: torch.nn.Module) -> None:
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("token log-probs support LM heads without bias (true of Qwen2, Llama and most causal LMs)")
+
+
 def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,
                      with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # In mixed precision the matmul runs in bf16 (autocast, or FSDP2's bf16 parameters); the log-softmax and the
-    # entropy always run on float32 logits, so their error is the matmul's rounding, not bf16's over the vocabulary.
-    logits = (hidden @ weight.T).float()  # [tokens, vocab]
-    if inv_temperature != 1.0:
-        logits = logits * inv_temperature
-    all_log_probs = torch.log_softmax(logits, dim=-1)  # one fused pass; reused by the entropy
+    all_log_probs = _chunk_log_softmax(hidden, weight, inv_temperature)  # one fused pass; reused by the entropy
     log_probs = all_log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
@@ -112,8 +120,7 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
 
     hidden [rows, len, hidden], tokens [rows, len] → two float32 tensors [rows, len].
     """
-    if getattr(lm_head, "bias", None) is not None:
-        raise ValueError("token_log_probs supports LM heads without bias (true of Qwen2, Llama and most causal LMs)")
+    _check_no_bias(lm_head)
     rows, length = tokens.shape
     flat_hidden = hidden.reshape(rows * length, -1)
     flat_tokens = tokens.reshape(-1)
@@ -134,11 +141,6 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
     return torch.cat(out_lp).reshape(rows, length), torch.cat(out_ent).reshape(rows, length)
 
 
-def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-    logits = (hidden @ weight.T).float()  # [tokens, vocab]; float32 as in `_chunk_log_probs`
-    return torch.log_softmax(logits * inv_temperature if inv_temperature != 1.0 else logits, dim=-1)
-
-
 def _chunk_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
                         inv_temperature: float) -> torch.Tensor:
     return _chunk_log_softmax(hidden, weight, inv_temperature).gather(-1, ids)
@@ -157,6 +159,7 @@ def token_log_probs_at(hidden: torch.Tensor, lm_head: torch.nn.Module, ids: torc
 
     hidden [rows, len, hidden], ids [rows, len, k] → float32 [rows, len, k]."""
     rows, length, k = ids.shape
+    _check_no_bias(lm_head)
     check_top_k_ids(ids, lm_head.weight.shape[0])
     flat_hidden, flat_ids = hidden.reshape(rows * length, -1), ids.reshape(rows * length, k)
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
@@ -176,6 +179,7 @@ def token_top_k(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int, temperat
                 chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's k most likely next tokens at `temperature`: (log-probs float32, ids int64), each
     [rows, len, k], most likely first; the full-vocabulary log-softmax exists for one chunk of positions at a time."""
+    _check_no_bias(lm_head)
     vocab_size = lm_head.weight.shape[0]
     if not 1 <= k <= vocab_size:
         raise ValueError(f"top-k k={k} must be in [1, {vocab_size}] (this model's vocabulary); k = {vocab_size} "
