@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from baton.distributed.dispatch import check_data_output
+from baton.distributed.heap import freeze_heap
 from baton.distributed.worker import RankInfo, WorkerContext, find_free_port, node_ip_address, usable_cpu_count
 
 
@@ -42,6 +43,8 @@ class WorkerHost:
             worker._baton_attach(context, self._workers)
             worker.__init__(*args, **kwargs)
             self._workers[role] = worker
+        if self._sets_environment:  # a process of its own (not the driver's, as on the local backend)
+            freeze_heap()
         return torch.get_num_threads(), usable_cpu_count()
 
     def call(self, request: list):
@@ -57,6 +60,11 @@ class WorkerHost:
             args = tuple(_materialize(a) for a in args)
             kwargs = {k: _materialize(v) for k, v in kwargs.items()}
         return getattr(self._workers[role], method)(*args, **kwargs)
+
+    def call_own_thread(self, request: list):
+        """As `call`, for `@register(own_thread=True)` methods: on Ray it runs in a thread of its own (see
+        `_ray_host_class`), so the calls queued meanwhile do not wait for it."""
+        return self.call(request)
 
     def call_returning_length(self, request: list):
         """As `call`, but also returns the output's row count, so the driver can plan a re-split without the data."""

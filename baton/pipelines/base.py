@@ -29,6 +29,7 @@ from baton.checkpoint import (PIPELINE_STATE, directory_size, ensure_free_space,
 from baton.config import ConfigError, dump_yaml, import_object, ray_runtime_env, record_import_dirs, to_dict
 from baton.datasets import PromptSampler
 from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec, create_clusters_parallel
+from baton.distributed.heap import frozen_heap
 from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import TrainerConfig, WorkerSettings
 from baton.pipelines.data import load_datasets
@@ -487,7 +488,8 @@ def run_pipeline(pipeline_cls, config) -> dict:
     """Build the pipeline, run it, and shut its clusters down however it ends; returns its summary."""
     pipeline = pipeline_cls(config)
     try:
-        return pipeline.run()
+        with frozen_heap():  # what the pipeline built stays out of the collector's full passes while it runs
+            return pipeline.run()
     finally:
         if hasattr(pipeline, "shutdown"):
             pipeline.shutdown()
