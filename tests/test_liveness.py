@@ -24,6 +24,7 @@ from baton.pipelines.config import RoleConfig
 class Sleeper(Worker):
     def __init__(self):
         self.calls = 0
+        self.signalled = threading.Event()
 
     @register()
     def pid(self) -> int:
@@ -69,6 +70,15 @@ class Sleeper(Worker):
     @register(Dispatch.DP_COMPUTE)
     def stats(self, data: DataProto) -> dict:
         return {"loss": float(data.batch["x"].sum())}
+
+    @register(Dispatch.ONE_TO_ALL_ONE, blocking=False, own_thread=True)
+    def wait_for_signal(self, timeout_s: float) -> bool:
+        """A long poll: waits for `signal` (a plain call) in the thread of its own."""
+        return self.signalled.wait(timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def signal(self) -> None:
+        self.signalled.set()
 
 
 def _resume(pid: int) -> None:
@@ -144,6 +154,17 @@ def test_timed_out_call_does_not_block_the_next_call(make_manager):
             cluster.divide(1)
         assert (info.value.rank, info.value.method) == (0, "divide")
         assert "ZeroDivisionError" in str(info.value)
+
+
+@pytest.mark.ray
+def test_a_call_issued_while_an_own_thread_method_waits_runs_at_once(make_manager):
+    # The waiting method returns True only if `signal`, issued after it, ran while it waited: in the worker's call
+    # thread it would have queued behind the wait until the timeout (False).
+    with Cluster(Sleeper, WorkerConfig("poller", world_size=1), make_manager("ray")) as cluster:
+        waiting = cluster.wait_for_signal(60.0)
+        cluster.signal()
+        assert waiting.get() is True
+        assert cluster.count_call() == [1]
 
 
 def test_restart_rebuilds_every_colocated_role_and_shutdown_is_final(make_manager):

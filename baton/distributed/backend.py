@@ -85,7 +85,8 @@ def _ray_host_class():
     """The Ray actor class around `WorkerHost` (made on first use, so importing baton does not import Ray).
 
     Calls run in Ray's default concurrency group, one at a time and in submission order; the
-    heartbeat has a group (a thread) of its own, so it is answered while a call runs.
+    heartbeat has a group (a thread) of its own, so it is answered while a call runs, and so do the
+    `own_thread` methods (a long poll), so that the calls behind them do not wait.
     """
     global _RAY_HOST_CLASS
     if _RAY_HOST_CLASS is None:
@@ -96,7 +97,11 @@ def _ray_host_class():
             def heartbeat(self) -> bool:
                 return super().heartbeat()
 
-        _RAY_HOST_CLASS = ray.remote(concurrency_groups={"heartbeat": 1})(RayWorkerHost)
+            @ray.method(concurrency_group="own_thread")
+            def call_own_thread(self, request: list):
+                return super().call_own_thread(request)
+
+        _RAY_HOST_CLASS = ray.remote(concurrency_groups={"heartbeat": 1, "own_thread": 1})(RayWorkerHost)
     return _RAY_HOST_CLASS
 
 

@@ -363,7 +363,8 @@ class Cluster:
             if wants_lengths and rank in collect:
                 length_refs[rank], refs[rank] = group.backend.submit(group.hosts[rank], "call_returning_length", request, num_returns=2)
             else:
-                refs[rank] = group.backend.submit(group.hosts[rank], "call", request)
+                refs[rank] = group.backend.submit(group.hosts[rank], "call_own_thread" if spec.own_thread else "call",
+                                                  request)
         if not mode.needs_rank_info:
             group.layouts.pop(self._role, None)  # such calls may change a worker's RankInfo (e.g. a model-building call)
         sources = [Source(self.name, rank, method) for rank in ranks]

@@ -138,6 +138,7 @@ class MethodSpec:
     blocking: bool
     materialize_futures: bool
     auto_padding: bool
+    own_thread: bool = False
 
 
 _METHOD_SPECS: dict[Callable, MethodSpec] = {}
@@ -149,6 +150,7 @@ def register(
     blocking: bool = True,
     materialize_futures: bool = True,
     auto_padding: bool = False,
+    own_thread: bool = False,
 ):
     """Expose a worker method to the driver as a method of its cluster.
 
@@ -160,11 +162,15 @@ def register(
         the same row count, and strip the padding rows from the output. Off by default: shards
         may differ by one row and no sample is duplicated. The method must return one row per
         input row.
+    own_thread: on Ray, the method runs in a thread of its own (one for all such methods of a worker), beside the
+        calls that run one at a time in the worker's call thread: for a method that waits on thread-safe state (a
+        long poll), so that the calls issued meanwhile do not queue behind its wait. Such methods run one at a time
+        among themselves; they must not touch what the other calls change without a lock.
     """
     mode = get_dispatch_mode(str(dispatch_mode))
     if auto_padding and not mode.returns_data and mode.name != Dispatch.DP_COMPUTE_METRIC:
         raise ValueError(f"auto_padding applies to the dp dispatch modes only, not {mode.name!r}")
-    spec = MethodSpec(mode.name, Execute(execute_mode), blocking, materialize_futures, auto_padding)
+    spec = MethodSpec(mode.name, Execute(execute_mode), blocking, materialize_futures, auto_padding, own_thread)
 
     def decorator(fn):
         _METHOD_SPECS[fn] = spec

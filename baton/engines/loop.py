@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
 
 class LoopThread:
     """An asyncio loop in a daemon thread. `run(coro, timeout_s)` waits for a result (at most `timeout_s`, then
-    TimeoutError: no wait is unbounded); `submit(coro)` returns a `concurrent.futures.Future` at once."""
+    TimeoutError: no wait is unbounded); `submit(coro)` returns a `concurrent.futures.Future` at once; `call_soon(fn, *args)` runs a plain function there."""
 
     def __init__(self, name: str = "engine-loop"):
         self.loop = asyncio.new_event_loop()
@@ -24,6 +24,12 @@ class LoopThread:
         if self.loop.is_closed():
             raise RuntimeError("the event loop thread was closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., object], *args) -> None:
+        """`fn(*args)` on the loop's thread, soon; returns at once (a plain call, no future: `fn` reports itself)."""
+        if self.loop.is_closed():
+            raise RuntimeError("the event loop thread was closed")
+        self.loop.call_soon_threadsafe(fn, *args)
 
     def run(self, coro: Awaitable[T], timeout_s: float | None = 600.0) -> T:
         future = self.submit(coro)

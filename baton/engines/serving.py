@@ -87,7 +87,10 @@ class ServingLoop:
                       future: asyncio.Future) -> Sequence:
         return Sequence(request, future, stop_token_ids)
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    def start(self, request: GenerationRequest) -> asyncio.Future:
+        """Queue `request` and return the future its result settles (call it on the engine's event loop): what
+        `generate` awaits, for a caller that starts many requests at once without a task for each. Raises
+        ValueError for a request the engine refuses. Stop a started request with `abort`."""
         loop = self._ensure_scheduler()
         if request.request_id in self._in_flight:
             raise ValueError(f"request {request.request_id!r} is already in flight; request ids must be unique")
@@ -104,10 +107,14 @@ class ServingLoop:
         self._in_flight[request.request_id] = sequence
         self._waiting.append(sequence)
         self._wakeup.set()
+        return sequence.future
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        future = self.start(request)
         try:
-            return await asyncio.shield(sequence.future)
+            return await asyncio.shield(future)
         except asyncio.CancelledError:
-            if not sequence.future.done():
+            if not future.done():
                 self._cancelled.add(request.request_id)
                 self._wakeup.set()
             raise
@@ -205,6 +212,12 @@ class ServingLoop:
     async def _run(self, fn, *args):
         """`fn(*args)` in the executor, after any step in flight."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def run_between_steps(self, fn, *args):
+        """`fn(*args)` in the engine's step thread, after any step in flight, for work the `Engine` protocol does not
+        cover (scoring given tokens with the engine's weights): its steps and weight loads run in that thread one
+        at a time, so nothing changes the model meanwhile, and requests in flight only wait for it."""
+        return await self._run(fn, *args)
 
     async def _schedule(self) -> None:
         while True:

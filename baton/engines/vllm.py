@@ -151,9 +151,8 @@ class VLLMEngine(ServingLoop):
         return num_running, num_waiting + len(self._waiting)
 
     async def run_on_engine(self, fn, *args):
-        """`fn(llm_engine, *args)` in the engine's thread, after any step in flight, for work the `Engine` protocol does
-        not cover (the vllm strategy scores given tokens with it); nothing else runs on the engine meanwhile."""
-        return await self._run(fn, self._engine, *args)
+        """`fn(llm_engine, *args)` between steps (`run_between_steps`): the vllm strategy scores given tokens with it."""
+        return await self.run_between_steps(fn, self._engine, *args)
 
     # --- the executor's work ------------------------------------------------------------------------
 

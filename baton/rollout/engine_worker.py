@@ -1,8 +1,8 @@
 """`EngineWorker`: one inference engine of the rollout system's pool, served request by request from a worker.
 
 A worker's methods run one at a time, so none of them waits on generation: `submit` hands requests to the engine
-and returns, `poll` returns the results finished since the last poll (waiting at most `max_wait_s` for one), and
-`abort`, `pause`, weights and health go in between. The engine runs on an event loop in a thread of its own
+and returns, and `abort`, `pause`, weights and health go in between; `poll` returns the results finished since the
+last poll (waiting at most `max_wait_s` for one) in a thread of its own, so it holds none of them up. The engine runs on an event loop in a thread of its own
 (`LoopThread`), so it keeps generating between calls. Each engine is a cluster of one worker (a tensor-parallel
 vLLM engine is one worker over several GPUs), so the router can take out and restart one without the others.
 """
@@ -40,7 +40,7 @@ class RequestFailure:
 class EngineWorker(Worker):
     """An engine built from a rollout role's `StrategyConfig`: `hf` (the shipped sampling loop, continuously batched,
     over the hf strategy's model) or `vllm`. The strategy stays beside it for what serving does not do: the
-    log-probs of the sync probe (`compute_log_probs`, run while the engine is paused)."""
+    log-probs of the sync probe (`compute_log_probs`, scored between two of its steps)."""
 
     def __init__(self, config: StrategyConfig, max_num_seqs: int = 256):
         if config.name not in ENGINE_STRATEGIES:
@@ -64,21 +64,33 @@ class EngineWorker(Worker):
     @register(Dispatch.ONE_TO_ALL_ONE, blocking=False)
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Start generating `requests`; their results come out of `poll`. The cluster call returns at once (a
-        future), so that the router can issue it while it holds its lock."""
+        future), so that the router can issue it while it holds its lock. The requests start on the engine's loop
+        in one go (no task or thread hand-off for each: at a thousand requests a step, those cost more than the
+        decoding of a tiny model)."""
+        self.runner.call_soon(self._start, requests)
+
+    def _start(self, requests: list[GenerationRequest]) -> None:
+        """On the engine's loop: each request started, its result (or failure) put in `_done` when it settles."""
         for request in requests:
-            future = self.runner.submit(self.engine.generate(request))
+            try:
+                future = self.engine.start(request)
+            except Exception as error:  # refused (ValueError), or the engine serves no more
+                self._done.put(RequestFailure(request.request_id, repr(error),
+                                              engine_failed=not isinstance(error, ValueError)))
+                continue
             future.add_done_callback(functools.partial(self._finished, request.request_id))
 
     def _finished(self, request_id: str, future) -> None:
         try:
             self._done.put(future.result())
-        except BaseException as error:  # a refused request or a failed step: the router decides what to do
-            self._done.put(RequestFailure(request_id, repr(error), engine_failed=not isinstance(error, ValueError)))
+        except BaseException as error:  # a failed step: the router decides what to do
+            self._done.put(RequestFailure(request_id, repr(error), engine_failed=True))
 
-    @register(Dispatch.ONE_TO_ALL_ONE)
+    @register(Dispatch.ONE_TO_ALL_ONE, own_thread=True)
     def poll(self, max_wait_s: float = 0.05) -> list[GenerationResult | RequestFailure]:
         """What finished since the last poll and over the next `max_wait_s`: one call per window, however many
-        requests finish in it, so that polling a busy engine does not take its process's time from generation."""
+        requests finish in it, so that polling a busy engine does not take its process's time from generation. It
+        waits in a thread of its own, so the calls issued meanwhile (submit, abort, weights, the probe) do not."""
         items, deadline = [], time.monotonic() + max_wait_s
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -120,15 +132,14 @@ class EngineWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: DataProto) -> DataProto:
-        """The sync probe: log-probs of given responses by the engine's weights (see `ModelUpdatePair.check`). The
-        engine is paused meanwhile (the hf engine's model is the strategy's), and resumed after if it was running."""
-        was_paused = self.runner.run(self.engine.health(), CONTROL_TIMEOUT_S).paused
-        self.pause()
-        try:
-            return self.strategy.forward(batch, temperature=sampling_temperature(batch))
-        finally:
-            if not was_paused:
-                self.resume()
+        """The sync probe: log-probs of given responses by the engine's weights (see `ModelUpdatePair.check`), scored
+        between two of the engine's steps (its requests in flight wait one forward pass; nothing else is held). The
+        vllm strategy's forward does that itself, through its engine; the hf engine's model is the strategy's."""
+        temperature = sampling_temperature(batch)
+        if self.config.name == "vllm":
+            return self.strategy.forward(batch, temperature=temperature)
+        return self.runner.run(self.engine.run_between_steps(self.strategy.forward, batch, temperature),
+                               CONTROL_TIMEOUT_S)
 
     @register(Dispatch.ONE_TO_ALL)
     def offload(self) -> None:
