@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import itertools
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,9 +182,9 @@ def samples_to_data(samples: list[Sample], pad_token_id: int, temperature: float
     scores = torch.tensor([s.score(reward_key) for s in samples], dtype=torch.float32)  # [rows]
     prompt_ids, response_ids = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     prompts = _padded(prompt_ids, prompt_len, pad_token_id, torch.long, left=True)  # [rows, P]
-    prompt_mask = _padded([[1] * len(ids) for ids in prompt_ids], prompt_len, 0, torch.long, left=True)
+    prompt_mask = _real([len(ids) for ids in prompt_ids], prompt_len, left=True)
     responses = _padded(response_ids, response_len, pad_token_id, torch.long)  # [rows, R]
-    response_real = _padded([[1] * len(ids) for ids in response_ids], response_len, 0, torch.long)
+    response_real = _real([len(ids) for ids in response_ids], response_len)
     response_mask = _padded([s.effective_loss_mask() for s in samples], response_len, 0, torch.long)
     log_probs = _padded([s.rollout_log_probs for s in samples], response_len, 0.0, torch.float32)
     versions = _padded([s.weight_versions for s in samples], response_len, -1, torch.int64)
@@ -215,9 +216,21 @@ def samples_to_data(samples: list[Sample], pad_token_id: int, temperature: float
 
 
 def _padded(rows: list[list], width: int, fill, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
-    """[len(rows), width]: each row padded with `fill` to `width` (on the left with `left`), in one tensor call."""
-    return torch.tensor([[fill] * (width - len(row)) + list(row) if left else list(row) + [fill] * (width - len(row))
-                         for row in rows], dtype=dtype).reshape(len(rows), width)
+    """[len(rows), width]: each row padded with `fill` to `width` (on the left with `left`). The rows go into the
+    tensor flat, through one boolean mask of the real positions (row-major, the order they are listed in)."""
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)  # [rows]
+    columns = torch.arange(width)
+    real = columns >= width - lengths[:, None] if left else columns < lengths[:, None]  # [rows, width]
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    out[real] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype)
+    return out
+
+
+def _real(lengths: list[int], width: int, left: bool = False) -> torch.Tensor:
+    """[len(lengths), width] long: 1 on each row's first (last, with `left`) `length` positions, else 0."""
+    lengths = torch.tensor(lengths, dtype=torch.long)[:, None]
+    columns = torch.arange(width)
+    return (columns >= width - lengths if left else columns < lengths).long()
 
 
 def _reward_extras(samples: list[Sample], reward_key: str) -> dict[str, torch.Tensor]:
