@@ -4,7 +4,10 @@ One run takes the demo's SFT checkpoint (tiny-qwen2 on the weak teacher's arithm
 SFT stage and cached in the run directory, `--fresh` redoes it; or `--sft-checkpoint PATH`), then runs the same
 GRPO from it in each mode on a local Ray instance of `NUM_RAY_CPUS` CPUs: the actor in one worker on device slot
 0, one rollout engine in another on slot 1, each with one torch thread, so generation and training can run at
-the same time on two cores; the driver (router, manager, rewards) keeps one thread. Every mode trains on the same
+the same time on two cores; the driver (router, manager, rewards) keeps one thread. As GPUs would be, the cores are
+the trainer's and the engine's own: the actor runs on core 0 (`actor.cpu_cores`), the engine on core 1
+(`rollout.cpu_cores`), and the driver pins its threads to core 1 too (what `taskset -c 1` does for a `baton run`). Unpinned (`--no-pin`), three busy processes share two cores as the OS sees
+fit, and the trainer, the critical path of an overlapped step, is slowed by the others. Every mode trains on the same
 number of samples (steps × prompts × samples per prompt) from the same seed.
 
 The setting makes generation and training each take 35–65% of a `sync` step: 64 prompts × 16 samples per step
@@ -27,6 +30,7 @@ time on this machine, so where the floor is above max(gen, train) the cores, not
 
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1] [--run-dir runs/bench_rollout]
                                       [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--probe-every-syncs N]
+                                      [--no-pin]
                                       [--json /tmp/rollout.json]
                                       [--check]
 """
@@ -54,6 +58,7 @@ import torch
 
 from common import finish, local_ray, parser as common_parser
 
+from baton.distributed.worker import pin_to_cores
 from baton.pipelines.base import checkpoint_path, list_checkpoints, run_pipeline
 from baton.pipelines.config import SamplingConfig
 from baton.pipelines.demo import DemoConfig, _from_checkpoint
@@ -63,6 +68,7 @@ from baton.rollout.config import RolloutSystemConfig
 
 MODES = ("sync", "one_step_off", "async")
 NUM_RAY_CPUS = 2
+TRAINER_CORES, ENGINE_CORES = [0], [1]  # the driver and Ray's processes: the engine's core
 
 SFT_STEPS = 1500  # the demo's SFT stage (about 2 minutes on two idle cores; 56.5% held-out accuracy)
 NUM_STEPS, NUM_STEPS_QUICK = 30, 3
@@ -103,7 +109,7 @@ def sft_checkpoint(run_dir: str, fresh: bool, num_steps: int) -> str:
 
 
 def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int,
-                seed: int, trim_padding: bool = True, probe_every_syncs: int = 1) -> RolloutRLVRConfig:
+                seed: int, trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True) -> RolloutRLVRConfig:
     """The demo's GRPO stage on the rollout system in `mode`, from `checkpoint`, with the bench's batch and update."""
     base = _demo_rlvr_default()
     trainer = dataclasses.replace(
@@ -111,10 +117,12 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
         val_before_train=mode == "sync", save_every_steps=num_steps, keep_last_checkpoints=1, seed=seed,
         run_dir=run_dir, overwrite=True, backend="ray", num_cpus=NUM_RAY_CPUS, progress_bar=False)
     actor, rollout = _from_checkpoint(base.actor, checkpoint), _from_checkpoint(base.rollout, checkpoint)
-    actor = dataclasses.replace(actor, device_mapping=[0], num_threads_per_worker=1, strategy=dataclasses.replace(
+    actor = dataclasses.replace(actor, device_mapping=[0], num_threads_per_worker=1,
+                                cpu_cores=TRAINER_CORES if pin else None, strategy=dataclasses.replace(
         actor.strategy, seed=seed, micro_batch_size_per_worker=MICRO_BATCH_SIZE, trim_padding=trim_padding,
         optimizer=dataclasses.replace(actor.strategy.optimizer, lr=LR)))
     rollout = dataclasses.replace(rollout, world_size=1, device_mapping=[1], num_threads_per_worker=1,
+                                  cpu_cores=ENGINE_CORES if pin else None,
                                   strategy=dataclasses.replace(rollout.strategy, seed=seed))
     algorithm = dataclasses.replace(base.algorithm, num_ppo_epochs=NUM_PPO_EPOCHS,
                                     num_mini_batches_per_step=NUM_MINI_BATCHES_PER_STEP)
@@ -175,12 +183,12 @@ class CpuMeter:
 
 
 def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int,
-             trim_padding: bool = True, probe_every_syncs: int = 1) -> dict:
+             trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True) -> dict:
     """One GRPO run; its step split (medians over the steps after the warm-up), the CPU seconds a step used (all
     processes), accuracies and wall time."""
     start = time.perf_counter()
     config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed, trim_padding,
-                         probe_every_syncs)
+                         probe_every_syncs, pin)
     with contextlib.suppress(FileNotFoundError):  # the meter counts this run's steps only (overwrite=True)
         os.remove(os.path.join(run_dir, "metrics.jsonl"))
     with CpuMeter(os.path.join(run_dir, "metrics.jsonl")) as meter:
@@ -219,6 +227,8 @@ def main() -> int:
     parser.add_argument("--probe-every-syncs", type=int, default=1, metavar="N",
                         help="rollout_system.probe_every_syncs: check the weight sync on the first and every N-th "
                              "sync (default 1, every sync, as the library's default)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the trainer, the engine and the driver wherever the OS puts them")
     args = parser.parse_args()
     num_steps = args.steps or (NUM_STEPS_QUICK if args.quick else NUM_STEPS)
     num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else NUM_PROMPTS_PER_STEP
@@ -232,13 +242,17 @@ def main() -> int:
     torch.set_num_threads(1)  # the driver of the GRPO runs stays light
     print(f"GRPO from {checkpoint}: {num_steps} steps × {num_prompts_per_step} prompts × {SAMPLES_PER_PROMPT} samples "
           f"(≤ {MAX_NEW_TOKENS} tokens) per mode, seeds {args.seeds}; actor and engine in separate Ray workers, "
-          f"1 torch thread each, {NUM_RAY_CPUS} Ray CPUs, {os.cpu_count()} cores; load average {load_start}", flush=True)
+          f"1 torch thread each, {NUM_RAY_CPUS} Ray CPUs, {os.cpu_count()} cores"
+          f"{f' (actor on core {TRAINER_CORES}, engine and driver on {ENGINE_CORES})' if args.pin else ', unpinned'}; "
+          f"load average {load_start}", flush=True)
     runs = []
     with local_ray(NUM_RAY_CPUS):
+        if args.pin:  # every thread of the driver, Ray's included (Ray's own processes stay where the OS puts them)
+            pin_to_cores(ENGINE_CORES)
         for seed in args.seeds:
             for mode in MODES:
                 run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
-                               num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs)
+                               num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs, args.pin)
                 runs.append(run)
                 print(f"  seed {seed} {mode:>12}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
                       f"{run['wall_s']:.0f} s, load average {load_average()}", flush=True)
@@ -292,7 +306,7 @@ def main() -> int:
         "sync_gen_s": sync_gen_s, "sync_train_s": sync_train_s, "modes": per_mode,
         "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step, "samples_per_prompt": SAMPLES_PER_PROMPT,
         "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS, "seeds": args.seeds, "quick": args.quick,
-        "trim_padding": args.trim_padding, "probe_every_syncs": args.probe_every_syncs,
+        "trim_padding": args.trim_padding, "probe_every_syncs": args.probe_every_syncs, "pinned": args.pin,
         "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "load_average_start": load_start,
         "load_average_end": load_end, "runs": runs,
     }

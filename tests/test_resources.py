@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import ray
 
@@ -20,6 +23,22 @@ class Where(Worker):
             "devices": self.context.device_ids,
             "node_index": self.context.node_index,
         }
+
+
+class Cores(Worker):
+    def __init__(self):
+        self.helper = threading.Thread(target=threading.Event().wait, daemon=True)  # a thread made in __init__
+        self.helper.start()
+
+    @register()
+    def cores(self) -> dict:
+        """Each thread's affinity: the process's, and a thread started now."""
+        seen = {}
+        late = threading.Thread(target=lambda: seen.update(late=sorted(os.sched_getaffinity(0))))
+        late.start()
+        late.join()
+        tasks = sorted(int(t) for t in os.listdir("/proc/self/task"))
+        return {"threads": {tid: sorted(os.sched_getaffinity(tid)) for tid in tasks}, **seen}
 
 
 def local_manager(num_nodes=2, num_devices_per_node=4) -> ResourceManager:
@@ -129,3 +148,27 @@ def test_names_are_scoped_by_run(make_manager):
 def test_too_many_nodes_is_refused(make_manager):
     with pytest.raises(LayoutError, match="lower num_nodes or num_devices_per_node"):
         make_manager("ray", num_nodes=3, num_devices_per_node=2)
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_cpu_cores_pin_every_thread_of_the_worker_process(make_manager):
+    core = max(os.sched_getaffinity(0))
+    with Cluster(Cores, WorkerConfig("pinned", world_size=1, num_devices_per_worker=0, cpu_cores=[core]),
+                 make_manager("ray")) as cluster:
+        [report] = cluster.cores()
+    assert report["late"] == [core]  # a thread made after the pinning inherits it
+    assert set(map(tuple, report["threads"].values())) == {(core,)}  # Ray's threads and the worker's own
+
+
+@pytest.mark.parametrize("cores, message", [([], "must list core numbers"), ([-1], "must list core numbers")])
+def test_bad_cpu_cores_are_refused(cores, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig("a", world_size=1, cpu_cores=cores)
+
+
+@pytest.mark.ray
+def test_cpu_cores_past_the_nodes_cores_fail_the_workers_start_with_the_range(make_manager):
+    with pytest.raises(Exception, match=r"cpu_cores \[4096\]: this node's cores are 0\.\."):
+        Cluster(Cores, WorkerConfig("far", world_size=1, num_devices_per_worker=0, cpu_cores=[4096]),
+                make_manager("ray"))

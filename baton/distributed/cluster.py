@@ -54,8 +54,11 @@ class WorkerConfig:
     parallelism (see `ResourceManager`). A worker of several CPU slots gets their CPUs as threads.
     Two clusters may use the same devices only if one lists the other in `share_devices_with`.
     `num_threads_per_worker` sets torch's threads in each worker process; None follows the worker's
-    CPU share (see `ResourceManager`), at least 1. On the local backend the workers share the
-    driver's process and its threads, and the setting is ignored.
+    CPU share (see `ResourceManager`), at least 1. `cpu_cores` runs every worker process on those
+    cores of its node only: on a CPU machine, a trainer with cores of its own is not slowed by the
+    rollout engines beside it (give them and the driver, e.g. with `taskset`, the other cores). On
+    the local backend the workers share the driver's process and its threads, and both settings
+    are ignored.
 
     Limits (Ray backend; on the local backend calls run in the driver's thread and nothing can
     interrupt them): a call that runs longer than `call_timeout_s` raises `CallTimeoutError`; a
@@ -71,6 +74,7 @@ class WorkerConfig:
     num_devices_per_worker: int = 1
     num_cpus_per_worker: float = 1.0
     num_threads_per_worker: int | None = None
+    cpu_cores: tuple[int, ...] | None = None
     share_devices_with: tuple[str, ...] = ()
     env_vars: dict[str, str] = field(default_factory=dict)
     call_timeout_s: float = 1800.0
@@ -82,6 +86,11 @@ class WorkerConfig:
         for key in ("call_timeout_s", "start_timeout_s", "heartbeat_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"cluster {self.name!r}: {key}={getattr(self, key)} must be > 0 (seconds)")
+        if self.cpu_cores is not None:
+            self.cpu_cores = tuple(self.cpu_cores)
+            if not self.cpu_cores or not all(isinstance(c, int) and c >= 0 for c in self.cpu_cores):
+                raise ValueError(f"cluster {self.name!r}: cpu_cores={list(self.cpu_cores)} must list core numbers "
+                                 "(e.g. [0, 1]), or be null: the OS places the workers")
         if self.health_check_interval_s < 0:
             raise ValueError(f"cluster {self.name!r}: health_check_interval_s={self.health_check_interval_s} must be "
                              ">= 0 (0 turns the heartbeat off)")
@@ -158,6 +167,9 @@ class _Group:
                 "backend (workers share the driver's process and its torch threads); call torch.set_num_threads in the "
                 "driver instead", stacklevel=3,
             )
+        if config.cpu_cores and self.manager.backend == "local":
+            warnings.warn(f"cluster {config.name!r}: cpu_cores={list(config.cpu_cores)} is ignored on the local backend "
+                          "(workers share the driver's process); pin the driver instead (taskset)", stacklevel=3)
         self.placements: list[Placement] = self.manager.place(
             config.name, self.world_size, mapping, config.num_devices_per_worker, config.num_cpus_per_worker,
             config.share_devices_with,
@@ -202,7 +214,7 @@ class _Group:
                 cluster_name=self.name, rank=rank, world_size=self.world_size, local_rank=placement.local_rank,
                 local_world_size=placement.local_world_size, master_addr=addr, master_port=port,
                 device_ids=placement.device_ids, node_index=placement.node_index, backend=self.backend.name,
-                num_threads=self.num_threads(placement),
+                num_threads=self.num_threads(placement), cpu_cores=self.config.cpu_cores or (),
             )
             refs.append(self.backend.submit(host, "construct", roles, context, dict(self.config.env_vars)))
         return refs

@@ -11,7 +11,8 @@ import os
 
 from baton.distributed.dispatch import check_data_output
 from baton.distributed.heap import freeze_heap
-from baton.distributed.worker import RankInfo, WorkerContext, find_free_port, node_ip_address, usable_cpu_count
+from baton.distributed.worker import (RankInfo, WorkerContext, find_free_port, node_ip_address, pin_to_cores,
+                                      usable_cpu_count)
 
 
 class WorkerHost:
@@ -28,9 +29,11 @@ class WorkerHost:
 
     def construct(self, roles: dict[str, tuple[type, tuple, dict]], context: WorkerContext,
                   env: dict[str, str]) -> tuple[int, int]:
-        """Build each role's worker: attach its context, then run its `__init__`. Returns (torch threads, cores)."""
+        """Build each role's worker: attach its context, then run its `__init__`. Returns (torch threads, cores of the
+        node this process could use, before any `cpu_cores` pinning)."""
         import torch
 
+        num_cores = usable_cpu_count()
         if self._sets_environment:
             os.environ.update(context.env_vars())
             os.environ.update(env)
@@ -38,6 +41,8 @@ class WorkerHost:
                 # Explicit: Ray sets OMP_NUM_THREADS only where unset, and torch reads it only at its import.
                 os.environ["OMP_NUM_THREADS"] = str(context.num_threads)
                 torch.set_num_threads(context.num_threads)
+            if context.cpu_cores:  # before the workers start their threads, which inherit it
+                pin_to_cores(context.cpu_cores)
         for role, (cls, args, kwargs) in roles.items():
             worker = cls.__new__(cls)
             worker._baton_attach(context, self._workers)
@@ -45,7 +50,7 @@ class WorkerHost:
             self._workers[role] = worker
         if self._sets_environment:  # a process of its own (not the driver's, as on the local backend)
             freeze_heap()
-        return torch.get_num_threads(), usable_cpu_count()
+        return torch.get_num_threads(), num_cores
 
     def call(self, request: list):
         """Run `role.method(*args, **kwargs)` for the request `[role, method, (args, kwargs) or None, materialize]`.

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class WorkerContext:
     node_index: int = 0
     backend: str = "local"  # "ray": this worker is a Ray actor and may put objects in the object store
     num_threads: int | None = None  # torch threads of this worker's process (Ray); None: the process's own setting
+    cpu_cores: tuple[int, ...] = ()  # the cores this worker's process runs on (Ray); (): wherever the OS puts it
 
     def env_vars(self) -> dict[str, str]:
         """The environment torch.distributed's env:// init reads."""
@@ -163,6 +165,21 @@ def usable_cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def pin_to_cores(cores: Sequence[int]) -> None:
+    """Run this process, every thread of it, on `cores` only (Linux: affinity is a thread's, and threads made later
+    inherit their maker's). ValueError, naming the machine's cores, for a core it does not have."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("cpu_cores needs Linux (sched_setaffinity); unset it on this OS")
+    num_cores = os.cpu_count() or 1
+    if not cores or any(not 0 <= core < num_cores for core in cores):
+        raise ValueError(f"cpu_cores {list(cores)}: this node's cores are 0..{num_cores - 1}")
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, set(cores))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def find_free_port() -> int:

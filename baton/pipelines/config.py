@@ -32,6 +32,9 @@ class WorkerSettings:
     # torch threads per worker process; None: its CPU share (num_cpus_per_worker, or 1 per CPU device slot). On
     # the local backend every worker shares the driver's threads and this is ignored (with a warning).
     num_threads_per_worker: int | None = None
+    # The cores of its node each worker process runs on (Ray backend; Linux); None: wherever the OS puts it. On a CPU
+    # machine, a trainer given cores of its own is not slowed by the rollout engines beside it.
+    cpu_cores: list[int] | None = None
     worker_cls: str | None = None  # import path "package.module:Class"; None: the role's default worker
     env_vars: dict[str, str] = field(default_factory=dict)  # set in each worker process before its constructor (Ray)
     # Ray backend: a call running longer than call_timeout_s, or a worker leaving its heartbeat (sent every
@@ -47,7 +50,8 @@ class WorkerSettings:
         world_size = self.world_size if self.world_size or self.device_mapping else 1
         return WorkerConfig(name, world_size=world_size, device_mapping=self.device_mapping,
                             num_devices_per_worker=self.num_devices_per_worker, num_cpus_per_worker=self.num_cpus_per_worker,
-                            num_threads_per_worker=self.num_threads_per_worker, share_devices_with=MODEL_ROLES,
+                            num_threads_per_worker=self.num_threads_per_worker, cpu_cores=self.cpu_cores,
+                            share_devices_with=MODEL_ROLES,
                             env_vars=dict(self.env_vars), call_timeout_s=self.call_timeout_s,
                             heartbeat_timeout_s=self.heartbeat_timeout_s,
                             health_check_interval_s=self.health_check_interval_s)
@@ -400,6 +404,9 @@ class RLVRConfig:
                 None, self.actor.num_threads_per_worker):
             raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run "
                               "actor.num_threads_per_worker threads: set it there and leave rollout's unset")
+        if self.colocate_actor_rollout and self.rollout.cpu_cores not in (None, self.actor.cpu_cores):
+            raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run on "
+                              "actor.cpu_cores: set it there and leave rollout's unset")
         if self.rollout.strategy.name == "vllm":
             _check_vllm_sampling(self.sampling, "sampling")
             _check_vllm_sampling(self.val_sampling, "val_sampling")
