@@ -163,6 +163,15 @@ def test_the_teachers_top_k_is_k_values_and_ids_per_token_and_the_students_loss_
     assert result["distill/teacher_top_k_mass"] == pytest.approx(1.0, abs=1e-5)
     assert 0 < result["grad_norm"] and 0 <= result["distill/top1_agreement"] <= 1
 
+    # Hinton's mix: (1 - w) * the KL + w * the responses' NLL, each by hand. The update above moved the student.
+    s = full_log_probs(student)
+    kl = float(((t.exp() * (t - s)).sum(-1) * mask).sum() / mask.sum())
+    nll = -s.gather(-1, batch.batch["responses"][..., None])[..., 0]  # [rows, response_len]
+    nll = float((nll * mask).sum() / mask.sum())
+    mixed = student.train_step(batch, DistillLoss("forward_kl", sft_weight=0.25), "token")
+    assert mixed["distill/sft_nll"] == pytest.approx(nll, abs=1e-5)
+    assert mixed["distill/loss"] == pytest.approx(0.75 * kl + 0.25 * nll, abs=1e-5)
+
 
 def tiny_distill(tmp_path, mode="off_policy", responses=None, **trainer) -> DistillConfig:
     settings = dict(backend="local", run_dir=str(tmp_path / "run"), num_steps=2, num_prompts_per_step=4,
@@ -230,13 +239,15 @@ def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(tmp_path, mode
     (dict(mode="on_policy", responses="teacher"), "with mode on_policy: on-policy distillation trains on the student's"),
     (dict(responses="mine"), "algorithm.responses 'mine' is not one of"),
     (dict(temperature=0.0), "algorithm.temperature=0.0 must be > 0"),
+    (dict(sft_weight=1.5), "algorithm.sft_weight=1.5 is outside \\[0, 1\\]"),
+    (dict(sft_weight=0.5, mode="on_policy"), "sft_weight=0.5 with student responses: the hard-label term trains on right"),
     (dict(teacher_model={"base": "tiny-qwen2", "vocab_size": 200}), "teacher and student must share a tokenizer"),
     (dict(teacher_kind="value"), "a teacher is a causal LM"),
 ])
 def test_a_config_that_cannot_run_fails_before_anything_starts(tmp_path, change, message):
     config = tiny_distill(tmp_path)
     algo = config.algorithm
-    for name in ("loss_type", "beta", "top_k", "mode", "responses", "temperature"):
+    for name in ("loss_type", "beta", "top_k", "mode", "responses", "temperature", "sft_weight"):
         if name in change:
             setattr(algo, name, change[name])
     if "teacher" in change:

@@ -32,7 +32,7 @@ from baton.workers import RewardWorker, TeacherWorker
 MODES = ("off_policy", "on_policy")
 RESPONSES = ("dataset", "teacher")
 DISTILL_METRICS = ("distill/loss", "distill/forward_kl", "distill/reverse_kl", "distill/teacher_top_k_mass",
-                   "distill/student_top_k_mass", "distill/top1_agreement", "actor/entropy")
+                   "distill/student_top_k_mass", "distill/top1_agreement", "distill/sft_nll", "actor/entropy")
 # The columns a generated batch keeps for scoring and training (the rollout's log-probs are not used).
 _TRAIN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
@@ -44,7 +44,9 @@ class DistillSettings:
     tokens per position that the loss sees, the rest of the vocabulary one tail outcome (see
     `baton.algorithms.distill`); temperature: both models' distributions are taken at it (Hinton's softening; 1: as
     they are). mode off_policy trains on `responses` (dataset: the data's responses, as SFT's; teacher: the teacher's
-    samples at `sampling`); on_policy on the student's samples at `sampling` (`responses` stays unset)."""
+    samples at `sampling`); on_policy on the student's samples at `sampling` (`responses` stays unset). sft_weight w
+    (dataset responses only): the loss is (1 - w) * distillation + w * the answers' negative log-likelihood, Hinton's
+    mix of the teacher's soft targets and the hard labels, for a teacher weaker than the labels."""
 
     loss_type: str = "forward_kl"
     beta: float = 0.5
@@ -53,6 +55,7 @@ class DistillSettings:
     loss_agg_mode: str = "token-mean"
     mode: str = "off_policy"
     responses: str | None = None  # off_policy: "dataset" (null) or "teacher"
+    sft_weight: float = 0.0
 
 
 @dataclass
@@ -114,6 +117,13 @@ class DistillConfig:
         if algo.mode == "on_policy" and algo.responses is not None:
             raise ConfigError(f"algorithm.responses={algo.responses!r} with mode on_policy: on-policy distillation "
                               "trains on the student's own samples; unset responses, or use mode off_policy")
+        if not 0.0 <= algo.sft_weight <= 1.0:
+            raise ConfigError(f"algorithm.sft_weight={algo.sft_weight} is outside [0, 1]: the hard-label term's weight "
+                              "(0: distillation only, 1: SFT only)")
+        if algo.sft_weight and self.response_source != "dataset":
+            raise ConfigError(f"algorithm.sft_weight={algo.sft_weight} with {self.response_source} responses: the "
+                              "hard-label term trains on right answers, the dataset's; use mode off_policy with "
+                              "responses null (dataset), or set sft_weight 0")
         vocab = {name: vocab_size(role.strategy) for name, role in (("actor", self.actor), ("teacher", teacher))}
         if not 1 <= algo.top_k <= vocab["teacher"]:
             raise ConfigError(f"algorithm.top_k={algo.top_k} must be in [1, {vocab['teacher']}] (the teacher's "
@@ -173,7 +183,7 @@ class DistillPipeline(Pipeline):
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]  # the teacher is frozen: rebuilt from its model on resume
         algo = config.algorithm
-        self.loss = DistillLoss(algo.loss_type, algo.beta, algo.loss_agg_mode)
+        self.loss = DistillLoss(algo.loss_type, algo.beta, algo.loss_agg_mode, algo.sft_weight)
         self.teacher_val: dict[str, float] | None = None
         self.maybe_resume()
 

@@ -132,6 +132,9 @@ class DistillLoss:
     student against the teacher's top-k log-probs and ids in the batch, aggregated with `loss_agg_mode`, in sum form.
     `log_probs_at` tells the strategy to return the student's log-probs at the teacher's ids ("log_probs_at").
 
+    sft_weight w: the loss is (1 - w) * distillation + w * the responses' negative log-likelihood (Hinton's hard-label
+    term; for responses that are right answers: the dataset's). distill/sft_nll reports that NLL whatever w.
+
     Metrics (token means but distill/loss): the loss; both KLs on the top-k + tail outcomes, whichever the loss;
     the mass the top-k covers of the teacher's and of the student's distribution; the share of tokens where the
     student's most likely of the k is the teacher's top-1; the student's entropy."""
@@ -139,6 +142,7 @@ class DistillLoss:
     loss_type: str = "forward_kl"
     beta: float = 0.5
     loss_agg_mode: str = "token-mean"
+    sft_weight: float = 0.0
     log_probs_at: str = TEACHER_TOP_K_IDS
 
     @property
@@ -158,14 +162,18 @@ class DistillLoss:
             raise ValueError("the actor's strategy returned no log-probs at the teacher's top-k ids (outputs "
                              f"{sorted(outputs)}); it cannot distil: use actor.strategy.name hf or fsdp2")
         student = outputs["log_probs_at"]  # [rows, response_len, k], with gradients
-        per_token = token_distill_loss(self.loss_type, student, teacher, self.beta)
+        per_token = token_distill_loss(self.loss_type, student, teacher, self.beta)  # [rows, response_len]
+        nll = -outputs["log_probs"]  # [rows, response_len]: the responses' own tokens
+        if self.sft_weight:
+            per_token = (1.0 - self.sft_weight) * per_token + self.sft_weight * nll
         loss = agg_loss(per_token, mask, self.loss_agg_mode)
         with torch.no_grad():
             s, t = with_tail(student.detach().float()), with_tail(teacher.float())
             stats = {"distill/forward_kl": forward_kl(s, t), "distill/reverse_kl": reverse_kl(s, t),
                      "distill/teacher_top_k_mass": teacher.float().exp().sum(-1),
                      "distill/student_top_k_mass": student.detach().float().exp().sum(-1),
-                     "distill/top1_agreement": (student.detach().argmax(-1) == 0).float()}
+                     "distill/top1_agreement": (student.detach().argmax(-1) == 0).float(),
+                     "distill/sft_nll": nll.detach().float()}
         out = {"distill/loss": unit_metric(loss, mask, self.loss_agg_mode),
                **{name: token_metric(float(masked_mean(value, mask)), mask) for name, value in stats.items()},
                "actor/entropy": token_metric(float(masked_mean(outputs["entropy"].detach(), mask)), mask)}
