@@ -224,6 +224,11 @@ def test_auto_padding_is_for_dp_modes_only():
         register(Dispatch.ONE_TO_ALL, auto_padding=True)
 
 
+def test_own_thread_is_for_plain_calls_not_dp_data_methods():
+    with pytest.raises(ValueError, match="own_thread is for a method that waits"):
+        register(Dispatch.DP_COMPUTE, own_thread=True)
+
+
 # ---- how methods appear on the cluster ------------------------------------------------------------
 
 

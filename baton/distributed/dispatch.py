@@ -170,6 +170,9 @@ def register(
     mode = get_dispatch_mode(str(dispatch_mode))
     if auto_padding and not mode.returns_data and mode.name != Dispatch.DP_COMPUTE_METRIC:
         raise ValueError(f"auto_padding applies to the dp dispatch modes only, not {mode.name!r}")
+    if own_thread and mode.returns_data:
+        raise ValueError(f"own_thread is for a method that waits (a long poll), not for a {mode.name!r} data method; "
+                         "leave it off")
     spec = MethodSpec(mode.name, Execute(execute_mode), blocking, materialize_futures, auto_padding, own_thread)
 
     def decorator(fn):

@@ -13,7 +13,8 @@ T = TypeVar("T")
 
 class LoopThread:
     """An asyncio loop in a daemon thread. `run(coro, timeout_s)` waits for a result (at most `timeout_s`, then
-    TimeoutError: no wait is unbounded); `submit(coro)` returns a `concurrent.futures.Future` at once; `call_soon(fn, *args)` runs a plain function there."""
+    TimeoutError: no wait is unbounded); `submit(coro)` returns a `concurrent.futures.Future` at once; `call_soon(fn,
+    *args)` runs a plain function there."""
 
     def __init__(self, name: str = "engine-loop"):
         self.loop = asyncio.new_event_loop()
