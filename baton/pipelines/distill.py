@@ -46,7 +46,7 @@ class DistillSettings:
     they are). mode off_policy trains on `responses` (dataset: the data's responses, as SFT's; teacher: the teacher's
     samples at `sampling`); on_policy on the student's samples at `sampling` (`responses` stays unset). sft_weight w
     (dataset responses only): the loss is (1 - w) * distillation + w * the answers' negative log-likelihood, Hinton's
-    mix of the teacher's soft targets and the hard labels, for a teacher weaker than the labels."""
+    mix of the teacher's soft targets and the hard labels."""
 
     loss_type: str = "forward_kl"
     beta: float = 0.5
