@@ -6,8 +6,9 @@ GRPO from it in each mode on a local Ray instance of `NUM_RAY_CPUS` CPUs: the ac
 0, one rollout engine in another on slot 1, each with one torch thread, so generation and training can run at
 the same time on two cores; the driver (router, manager, rewards) keeps one thread. As GPUs would be, the cores are
 the trainer's and the engine's own: the actor runs on core 0 (`actor.cpu_cores`), the engine on core 1
-(`rollout.cpu_cores`), and the driver pins its threads to core 1 too (what `taskset -c 1` does for a `baton run`). Unpinned (`--no-pin`), three busy processes share two cores as the OS sees
-fit, and the trainer, the critical path of an overlapped step, is slowed by the others. Every mode trains on the same
+(`rollout.cpu_cores`), and the driver pins its threads to core 1 too (what `taskset -c 1` does for a `baton run`).
+Unpinned (`--no-pin`), three busy processes share two cores as the OS sees fit, and the trainer, the critical path
+of an overlapped step, is slowed by the others. Every mode trains on the same
 number of samples (steps × prompts × samples per prompt) from the same seed.
 
 The setting makes generation and training each take 35–65% of a `sync` step: 64 prompts × 16 samples per step
@@ -68,7 +69,7 @@ from baton.rollout.config import RolloutSystemConfig
 
 MODES = ("sync", "one_step_off", "async")
 NUM_RAY_CPUS = 2
-TRAINER_CORES, ENGINE_CORES = [0], [1]  # the driver and Ray's processes: the engine's core
+TRAINER_CORES, ENGINE_CORES = [0], [1]  # the driver's threads go on the engine's core
 
 SFT_STEPS = 1500  # the demo's SFT stage (about 2 minutes on two idle cores; 56.5% held-out accuracy)
 NUM_STEPS, NUM_STEPS_QUICK = 30, 3

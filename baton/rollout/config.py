@@ -47,9 +47,8 @@ class RolloutSystemConfig:
         start, and nothing is validated).
     rollout_only: generate (and save) each step's rollout and train nothing (the weights stay as loaded).
     probe_every_syncs: the weight sync's probe (the engines' log-probs on a few fixed rows against the actor's)
-        runs on the first sync and then on every N-th; 1 checks every sync. Each check pauses the engines for a
-        forward pass: on the tiny demo model it is most of a sync's time. A wrong mapping of weights shows at the
-        first sync.
+        runs on the first sync and then on every N-th; 1 checks every sync. Each check holds the engines' steps for
+        one forward pass (scored between two steps). A wrong mapping of weights shows at the first sync.
     """
 
     mode: str = "sync"

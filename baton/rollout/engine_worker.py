@@ -3,8 +3,9 @@
 A worker's methods run one at a time, so none of them waits on generation: `submit` hands requests to the engine
 and returns, and `abort`, `pause`, weights and health go in between; `poll` returns the results finished since the
 last poll (waiting at most `max_wait_s` for one) in a thread of its own, so it holds none of them up. The engine
-runs on an event loop in a thread of its own (`LoopThread`), so it keeps generating between calls. Each engine is a cluster of one worker (a tensor-parallel
-vLLM engine is one worker over several GPUs), so the router can take out and restart one without the others.
+runs on an event loop in a thread of its own (`LoopThread`), so it keeps generating between calls. Each engine is a
+cluster of one worker (a tensor-parallel vLLM engine is one worker over several GPUs), so the router can take out
+and restart one without the others.
 """
 
 from __future__ import annotations

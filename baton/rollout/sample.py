@@ -218,9 +218,7 @@ def samples_to_data(samples: list[Sample], pad_token_id: int, temperature: float
 def _padded(rows: list[list], width: int, fill, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
     """[len(rows), width]: each row padded with `fill` to `width` (on the left with `left`). The rows go into the
     tensor flat, through one boolean mask of the real positions (row-major, the order they are listed in)."""
-    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)  # [rows]
-    columns = torch.arange(width)
-    real = columns >= width - lengths[:, None] if left else columns < lengths[:, None]  # [rows, width]
+    real = _real([len(row) for row in rows], width, left).bool()  # [rows, width]
     out = torch.full((len(rows), width), fill, dtype=dtype)
     out[real] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype)
     return out
