@@ -18,6 +18,7 @@ from baton.rollout import Sample, Status, samples_to_data
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.functions import generate_rollout, generate_sample
 from baton.strategy import SamplingParams, StrategyConfig
+from baton.workers.weight_sync import WeightSyncError
 
 THIS = "test_rollout_pipeline"  # tests/ is on sys.path: functions here are importable by path
 
@@ -301,3 +302,44 @@ def test_the_weight_sync_probe_checks_the_first_and_every_nth_sync(tmp_path):
         pipeline.shutdown()
     with pytest.raises(ValueError, match="probe_every_syncs must be >= 1"):
         RolloutSystemConfig(probe_every_syncs=0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_a_failed_probe_stops_the_sync_or_the_next_one_in_overlapped_modes(tmp_path, mode):
+    """Sync mode scores the probe before the sync returns; the overlapped modes score it while the next step trains,
+    and the next sync (or settle_weight_check) reports its diff or raises its error, before newer weights go in."""
+    pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1, mode=mode))
+    try:
+        manager = pipeline.rollouts
+        first = manager.update_weights(pipeline.actor, version=1)  # reports the start-up sync's probe, if pending
+        second = manager.update_weights(pipeline.actor, version=2)
+        assert second["weight_sync/max_logprob_diff"] <= manager.probe_atol
+        if mode == "sync":
+            assert "weight_sync/max_logprob_diff" in first and manager.settle_weight_check() == {}
+        else:
+            assert "weight_sync/max_logprob_diff" in manager.settle_weight_check()  # version 2's, scored meanwhile
+        manager.probe_atol = -1.0  # no difference passes: every probe fails
+        if mode == "sync":
+            with pytest.raises(WeightSyncError, match="differ by up to"):
+                manager.update_weights(pipeline.actor, version=3)
+        else:
+            manager.update_weights(pipeline.actor, version=3)  # returns; its probe fails meanwhile
+            with pytest.raises(WeightSyncError, match="differ by up to"):
+                manager.update_weights(pipeline.actor, version=4)
+            assert manager.version == 3  # version 4's weights did not go in
+    finally:
+        pipeline.shutdown()
+
+
+def test_a_long_lived_context_forgets_the_requests_that_finished(tmp_path):
+    """The async producer's context lives for the whole run: a finished request's id is not kept (nor aborted)."""
+    pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1))
+    try:
+        ctx = pipeline.rollouts.context()
+        for group in pipeline.rollouts.data_source.get_samples(2):
+            for sample in group:
+                ctx.run(generate_sample(ctx, sample, SamplingParams(temperature=1.0, max_new_tokens=3, n=1)))
+                assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
+        assert ctx._request_ids == {} and ctx._request_keys == {}
+    finally:
+        pipeline.shutdown()

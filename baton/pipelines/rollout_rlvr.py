@@ -259,6 +259,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
             if self.signal_watch is not None:
                 self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
             self.end_step(step, metrics, "reward", "critic/score/mean")
+        self.rollouts.settle_weight_check()  # the last sync's probe, when scored in the background
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -31,6 +32,7 @@ from baton.engines.protocol import GenerationRequest, GenerationResult
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.data_source import RolloutDataSource
 from baton.rollout.dump import load_rollout, save_rollout
+from baton.rollout.engine_worker import WEIGHT_SYNC_TIMEOUT_S
 from baton.rollout.functions import (GroupFailed, RolloutStalledError, abort_groups, generate_group, generate_sample,
                                      reset_sample, too_stale)
 from baton.rollout.reward import GroupRewarder, RewardTimeout
@@ -38,6 +40,9 @@ from baton.rollout.router import Router
 from baton.rollout.sample import Sample, Status, samples_to_data
 from baton.strategy import SamplingParams
 from baton.workers.weight_sync import ModelUpdatePair
+
+
+ADMIT_CHUNK = 8  # groups the async producer starts between two turns of the event loop
 
 
 def _load(path: str | None, what: str) -> Callable | None:
@@ -68,6 +73,7 @@ class RolloutContext:
         self.metrics: dict[str, float] = {}
         self._ids = itertools.count()
         self._request_ids: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
+        self._request_keys: dict[str, tuple[int, int]] = {}  # and back
         self.response_key = manager.response_key  # the dataset field SFT trains on (`sft_rollout`)
         self.extras = manager.extras  # what the pipeline hands its custom functions (the agentic one: its envs)
         self._generate = _load(self.config.generate_function, "generate_function") or generate_sample
@@ -80,13 +86,22 @@ class RolloutContext:
     def request_id(self, sample: Sample) -> str:
         """A fresh request id for `sample`; `generate_request` with it can be aborted by `abort([sample])`."""
         request_id = f"g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
-        self._request_ids[(sample.group_index, sample.sample_index)] = request_id
+        key = (sample.group_index, sample.sample_index)
+        self._request_ids[key], self._request_keys[request_id] = request_id, key
         return request_id
 
     async def generate_request(self, request: GenerationRequest, affinity_key: str | None = None) -> GenerationResult:
         """One request through the router; requests with one `affinity_key` (a multi-turn conversation's id) go to
         one engine, whose prefix cache then holds the conversation."""
-        return await asyncio.wrap_future(self.router.generate(request, affinity_key))
+        try:
+            return await asyncio.wrap_future(self.router.generate(request, affinity_key))
+        finally:  # no longer abortable (a long-lived context, the async producer's, keeps no id per sample)
+            self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        key = self._request_keys.pop(request_id, None)
+        if key is not None and self._request_ids.get(key) == request_id:
+            del self._request_ids[key]
 
     async def generate(self, sample: Sample, params: SamplingParams) -> Sample:
         return await self._generate(self, sample, params)
@@ -156,12 +171,18 @@ class RolloutManager:
                              max_retries=config.max_retries, on_restart=self._resync) if self.engines else None
         self.loop = LoopThread("rollout-manager")
         self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-check")
+        self._weight_check: concurrent.futures.Future | None = None  # the last sync's probe, scored meanwhile
         self.engines_on_gpu, self._said_cpu_offload = engines_on_gpu, False
         # async mode: groups ready for training, and the producer's state (on the loop)
         self._ready: list[list[Sample]] = []
         self._producer: concurrent.futures.Future | None = None
         self._stop_producing: asyncio.Event | None = None
-        self._wake: asyncio.Event | None = None  # set when a step takes groups or weights change: admit again
+        # Set when a step takes groups (or stale ones go back): admit again. New weights do not wake the producer:
+        # the step's take follows them, and groups admitted first would hold the take up.
+        self._wake: asyncio.Event | None = None
+        self._grew: asyncio.Event | None = None  # set when a group is ready (or the producer stops): take again
+        self._taking = False  # a step waits in `take`
         self._continuous_ctx: RolloutContext | None = None
         self.consumed_steps = 0
 
@@ -212,11 +233,15 @@ class RolloutManager:
         self._continuous_ctx = self.context()
 
         async def start():
-            self._stop_producing = asyncio.Event()
-            self._wake = asyncio.Event()
+            self._stop_producing, self._wake, self._grew = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         self.loop.run(start())
         self._producer = self.loop.submit(self._produce(self._continuous_ctx))
+
+    def _step_can_take(self) -> bool:
+        """Whether a step waits in `take` with its groups ready: it takes them before more groups start (it would
+        otherwise wait behind their requests' start-up on the loop); its take wakes the producer again."""
+        return self._taking and len(self._ready) >= self.num_groups_per_step
 
     def _admits(self, ahead: int) -> bool:
         """Whether a new group, `ahead` groups behind the next batch's start, will be trained within the bound: it
@@ -226,9 +251,13 @@ class RolloutManager:
     async def _produce(self, ctx: RolloutContext) -> None:
         running: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop_producing.is_set():
-            while self._admits(len(self._ready) + len(running)):
+            admitted = 0
+            while self._admits(len(self._ready) + len(running)) and not self._step_can_take():
                 for group in self.data_source.get_samples(1):
                     running[asyncio.ensure_future(generate_group(ctx, group, ctx.sampling_params))] = group
+                admitted += 1
+                if admitted % ADMIT_CHUNK == 0:
+                    await asyncio.sleep(0)  # a take issued meanwhile runs now, not behind a whole batch's start-up
             self._wake.clear()
             waits = [*running, asyncio.ensure_future(self._wake.wait())]
             done, _ = await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -246,9 +275,11 @@ class RolloutManager:
                 keep, reason = ctx.keep(group)
                 if keep:
                     self._ready.append(group)
+                    self._grew.set()
                 else:
                     _count(ctx, reason)
         await abort_groups(ctx, running, self.data_source)
+        self._grew.set()
 
     def take(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """(async mode) The next step's groups, waiting at most `watchdog_s` for enough of them."""
@@ -260,6 +291,14 @@ class RolloutManager:
         would train at (`consumed_steps`) goes back to the buffer as a fresh prompt."""
         needed, trained_version = self.num_groups_per_step, self.consumed_steps
         deadline = time.monotonic() + self.config.watchdog_s
+        self._taking = True
+        try:
+            return await self._take_when_ready(needed, trained_version, deadline)
+        finally:
+            self._taking = False
+
+    async def _take_when_ready(self, needed: int, trained_version: int,
+                               deadline: float) -> tuple[list[list[Sample]], dict[str, float]]:
         while True:
             self._ready.sort(key=lambda group: min(s.oldest_version() or 0 for s in group))  # stable: FIFO on ties
             stale = [g for g in self._ready if too_stale(g, trained_version, self.config.max_staleness)]
@@ -279,7 +318,9 @@ class RolloutManager:
                 raise RolloutStalledError(self.describe_stall(
                     f"async rollout: {len(self._ready)} of {needed} groups ready after {self.config.watchdog_s:g} s "
                     "(rollout_system.watchdog_s)"))
-            await asyncio.sleep(0.01)
+            self._grew.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._grew.wait(), max(0.0, min(1.0, deadline - time.monotonic())))
         groups, self._ready = self._ready[:needed], self._ready[needed:]
         self.consumed_steps += 1
         self._wake.set()
@@ -326,22 +367,41 @@ class RolloutManager:
     def update_weights(self, actor: Cluster, version: int, bucket_bytes: int = 256 << 20) -> dict[str, float]:
         """The actor's weights into every engine as `version`, in place: an engine loads them between two decode
         steps (its requests in flight hold meanwhile, then go on with the new weights) and is probe-checked against
-        the actor (its steps held for the probe's forward) on the first sync and every `probe_every_syncs`-th. The
-        actor's probe log-probs and the export are done first, while the engines keep generating."""
+        the actor (its steps held for the probe's forward) on the first sync and every `probe_every_syncs`-th.
+
+        In sync mode the probe is scored before this returns. In the overlapped modes it is scored in the background
+        while the next step trains (it is off the step's path): the next sync, or `settle_weight_check`, waits for
+        it first, reports its `weight_sync/max_logprob_diff` and raises its WeightSyncError, before newer weights
+        go in."""
+        metrics = self.settle_weight_check()
         probe = self.probe if self._num_syncs % self.config.probe_every_syncs == 0 else None
         self._num_syncs += 1
         pairs = [ModelUpdatePair(actor, engine, probe, atol=self.probe_atol) for engine in self.engines]
-        ours = pairs[0].source_log_probs() if probe is not None and pairs else None
+        # Queued on the actor ahead of the export: its log-probs are the exported weights'.
+        ours = actor.call_async("compute_log_probs", probe) if probe is not None and pairs else None
         buckets = actor.export_weights(bucket_bytes)
-        diffs = []
-        for engine, pair in zip(self.engines, pairs):
+        for engine in self.engines:
             engine.import_weights(buckets, version)
-            if ours is not None:
-                diffs.append(pair.check(ours))
         self._buckets, self.version = buckets, version
-        if self._producer is not None:
-            self.loop.loop.call_soon_threadsafe(self._wake.set)
-        return {"weight_sync/max_logprob_diff": max(diffs)} if diffs else {}
+        if ours is not None:
+            check = functools.partial(_check_weights, pairs, ours)
+            if self.config.mode == "sync":
+                metrics.update(check())
+            else:
+                self._weight_check = self._checker.submit(check)
+        return metrics
+
+    def settle_weight_check(self) -> dict[str, float]:
+        """The last sync's probe, if it is still being scored in the background (overlapped modes): waited for
+        (bounded), its metrics returned and its WeightSyncError raised."""
+        pending, self._weight_check = self._weight_check, None
+        if pending is None:
+            return {}
+        try:
+            return pending.result(WEIGHT_SYNC_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise RolloutStalledError(self.describe_stall(
+                f"the weight sync's probe was not scored within {WEIGHT_SYNC_TIMEOUT_S:g} s")) from None
 
     def _resync(self, index: int) -> None:
         """A restarted engine gets the weights the others have."""
@@ -420,7 +480,14 @@ class RolloutManager:
             self.router.close()
         self.rewarder.close()
         self._background.shutdown(wait=False, cancel_futures=True)
+        self._checker.shutdown(wait=False, cancel_futures=True)
         self.loop.close()
+
+
+def _check_weights(pairs: list[ModelUpdatePair], ours) -> dict[str, float]:
+    """Every engine's probe log-probs against the actor's (`ours`: their pending call), the largest difference."""
+    log_probs = ours.get().batch["log_probs"]
+    return {"weight_sync/max_logprob_diff": max(pair.check(log_probs) for pair in pairs)}
 
 
 def _count(ctx: RolloutContext, reason: str, count: int = 1) -> None:
