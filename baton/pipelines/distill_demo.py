@@ -36,7 +36,7 @@ def _teacher_default() -> SFTConfig:
                                                  scheduler=schedule)),
         data=None,
         val_sampling=dataclasses.replace(_VAL_SAMPLING),
-        trainer=TrainerConfig(num_steps=400, num_prompts_per_step=64, val_every_steps=100, save_every_steps=400),
+        trainer=TrainerConfig(num_steps=700, num_prompts_per_step=64, val_every_steps=100, save_every_steps=700),
     )
 
 
