@@ -15,6 +15,11 @@ The setting makes generation and training each take 35–65% of a `sync` step: 6
 (the demo: 64 × 8) and one update in micro-batches of `MICRO_BATCH_SIZE` rows at lr `LR`. The demo's answers stay
 ~3 tokens whatever `max_new_tokens` allows (the SFT model stops at eos), so the responses cannot be made longer.
 
+Each seed runs the three modes one after another, in an order rotated by one from the last seed's (seed list
+position 0: sync, one_step_off, async; 1: one_step_off, async, sync; 2: async, sync, one_step_off), so that with
+three seeds every mode has had every place once: timings drift within minutes on a shared machine, and a mode
+always run last would carry the drift.
+
 Per mode it prints the median seconds per step (the first `NUM_WARMUP_STEPS` dropped), the greedy held-out
 accuracy at the end (`val/accuracy`, 200 problems) and the split of a step:
   gen   = `timing_s/gen`: the wait for the step's samples (in `sync` all of generation; in the overlapped modes
@@ -29,7 +34,7 @@ Per mode it also meters the CPU seconds a step uses in the driver and every Ray 
 sampled with psutil) and divides them by the machine's cores (`floor s`): no schedule runs that work in less wall
 time on this machine, so where the floor is above max(gen, train) the cores, not the overlap, bound the step.
 
-    .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1] [--run-dir runs/bench_rollout]
+    .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1 2] [--run-dir runs/bench_rollout]
                                       [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--probe-every-syncs N]
                                       [--no-pin]
                                       [--json /tmp/rollout.json]
@@ -218,7 +223,8 @@ def main() -> int:
     parser = common_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help=f"GRPO steps per mode (default {NUM_STEPS}; "
                                                                  f"--quick {NUM_STEPS_QUICK})")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="one run per mode and seed (default 0 1 2: each mode once in each place of the order)")
     parser.add_argument("--run-dir", default="runs/bench_rollout")
     parser.add_argument("--sft-checkpoint", metavar="PATH", help="an HF checkpoint directory to start GRPO from")
     parser.add_argument("--sft-steps", type=int, default=SFT_STEPS, help=f"SFT steps (default {SFT_STEPS})")
@@ -250,8 +256,10 @@ def main() -> int:
     with local_ray(NUM_RAY_CPUS):
         if args.pin:  # every thread of the driver, Ray's included (Ray's own processes stay where the OS puts them)
             pin_to_cores(ENGINE_CORES)
-        for seed in args.seeds:
-            for mode in MODES:
+        for index, seed in enumerate(args.seeds):
+            # Each seed runs the modes in another order (rotated by one), so that no mode always has the same
+            # place in the hour: this machine's speed drifts by up to a third from one minute to the next.
+            for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:
                 run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
                                num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs, args.pin)
                 runs.append(run)
@@ -266,6 +274,13 @@ def main() -> int:
     sync_train_s = sync_step_s - sync_gen_s
     bound_s = max(sync_gen_s, sync_train_s)
     ideal_efficiency = (sync_gen_s + sync_train_s) / bound_s
+    sync_runs = {r["seed"]: r for r in runs if r["mode"] == "sync"}
+
+    def over_own_seeds_bound(run: dict) -> float:
+        """A run's step over max(gen, train) of the same seed's sync run (minutes apart, not the medians')."""
+        sync = sync_runs[run["seed"]]
+        return run["step_s"] / max(sync["gen_s"], sync["train_s"])
+
     per_mode = {}
     for mode in MODES:
         step_s = median_of(mode, "step_s")
@@ -278,7 +293,8 @@ def main() -> int:
                           "step_over_cpu_floor": step_s / cpu_floor_s if cpu_s else None,
                           "speedup": sync_step_s / step_s, "accuracy": statistics.median(accuracies),
                           "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
-                          "overlap_efficiency": (sync_gen_s + sync_train_s) / step_s, "step_over_bound": step_s / bound_s}
+                          "overlap_efficiency": (sync_gen_s + sync_train_s) / step_s, "step_over_bound": step_s / bound_s,
+                          "step_over_bound_per_seed": [over_own_seeds_bound(r) for r in runs if r["mode"] == mode]}
     start_accuracy = statistics.median(r["start_accuracy"] for r in runs if r["mode"] == "sync")
 
     print(f"\nSFT checkpoint accuracy {start_accuracy:.1%}; sync step: gen {sync_gen_s:.2f} s "
@@ -291,6 +307,10 @@ def main() -> int:
         print(f"{mode:>12}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['train_s']:>7.2f}  "
               f"{m['overlap_efficiency']:>16.2f}  {m['step_over_bound']:>7.2f}×  {m['cpu_s_per_step'] or 0:>6.2f}  "
               f"{m['cpu_floor_s'] or 0:>7.2f}  {m['accuracy']:>9.1%}{spread}")
+    if len(args.seeds) > 1:
+        print("step/max per seed, against that seed's sync run: " + "; ".join(
+            f"{mode} " + " ".join(f"{ratio:.2f}×" for ratio in per_mode[mode]["step_over_bound_per_seed"])
+            for mode in ("one_step_off", "async")))
     print(f"(medians over steps {NUM_WARMUP_STEPS + 1}–{num_steps}"
           f"{' and over seeds' if len(args.seeds) > 1 else ', one seed'}; gen, train: the wait for samples and the "
           f"rest of the step; CPU s: the CPU seconds a step used in the driver and every Ray worker, floor s: that over "
