@@ -15,18 +15,23 @@ import pytest
 import torch
 
 from baton.cli import resolve
+from baton.datasets.arith_prefs import write_pairs
+from baton.pipelines import dpo as dpo_module, policy
 from baton.pipelines.base import run_pipeline, time_sharing_roles
 from baton.pipelines.config import (AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig,
                                     TrainerConfig)
+from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSettings
+from baton.pipelines.dpo import DPOConfig, DPOPipeline, PairDataConfig
 from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
 from baton.strategy import StrategyConfig
-from baton.workers import ActorWorker, ReferenceWorker, RolloutWorker
+from baton.workers import ActorWorker, ReferenceWorker, RolloutWorker, TeacherWorker
 
 CALLS: list[tuple[str, str]] = []  # (role, strategy method), in call order
-RECORDED = ("generate", "forward", "train_step", "export_weights", "import_weights", "offload", "reload",
-            "save_checkpoint")
+RECORDED = ("generate", "forward", "top_k_log_probs", "train_step", "export_weights", "import_weights", "offload",
+            "reload", "save_checkpoint")
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-COMPUTE = {"generate", "forward", "train_step", "export_weights", "import_weights", "save_checkpoint"}
+COMPUTE = {"generate", "forward", "top_k_log_probs", "train_step", "export_weights", "import_weights",
+           "save_checkpoint"}
 
 
 class Recorder:
@@ -67,6 +72,10 @@ class RecordingReference(Records, ReferenceWorker):
     role = "reference"
 
 
+class RecordingTeacher(Records, TeacherWorker):
+    role = "teacher"
+
+
 class MarksSteps(RLVRPipeline):
     def end_step(self, step, metrics, label, key):
         CALLS.append(("pipeline", f"end of step {step}"))
@@ -100,6 +109,20 @@ def steps(calls: list) -> list[list]:
     """CALLS cut at each step's end: [before the end of step 1, ..., after the last step's end]."""
     cuts = [i for i, (role, _) in enumerate(calls) if role == "pipeline"]
     return [calls[a + 1:b] for a, b in zip([-1] + cuts, cuts + [len(calls)])]
+
+
+def replay(calls: list, apart: dict[tuple[str, str], list[str]]) -> None:
+    """Every role starts on its device, is offloaded and reloaded in turn (never twice in a row), computes only on
+    its device, and makes each call (role, method) of `apart` only while the roles it lists are off the device."""
+    resident = {role: True for role, _ in calls}
+    for role, method in calls:
+        if method in ("offload", "reload"):
+            assert resident[role] == (method == "offload"), f"{role}.{method} twice in a row"
+            resident[role] = method == "reload"
+        elif method in COMPUTE:
+            assert resident[role], f"{role}.{method} while offloaded"
+            beside = [other for other in apart.get((role, method), ()) if resident.get(other)]
+            assert not beside, f"{role}.{method} beside {beside}"
 
 
 def metrics(run_dir) -> dict:
@@ -137,16 +160,7 @@ def test_no_role_computes_while_offloaded_nor_beside_the_role_it_takes_turns_wit
     with pytest.warns(StaleSamplesWarning):
         run_pipeline(RLVRPipeline, grpo(tmp_path, True, num_steps=4, val_every_steps=1, save_every_steps=1,
                                         sync_every_steps=2))
-    resident = {"actor": True, "rollout": True, "reference": True}
-    for role, method in calls:
-        if method in ("offload", "reload"):
-            assert resident[role] == (method == "offload"), f"{role}.{method} twice in a row"
-            resident[role] = method == "reload"
-        elif method in COMPUTE:
-            assert resident[role], f"{role}.{method} while offloaded"
-            if method in ("generate", "train_step"):  # the other side of the turn is off the device
-                others = ["actor", "reference"] if role == "rollout" else ["rollout"]
-                assert not any(resident[other] for other in others), f"{role}.{method} beside {others}"
+    replay(calls, {("rollout", "generate"): ["actor", "reference"], ("actor", "train_step"): ["rollout"]})
     assert ("rollout", "offload") in calls and ("actor", "offload") in calls
 
 
@@ -231,3 +245,78 @@ def test_roles_take_turns_on_ray(tmp_path, ray_cluster):
     assert summary["num_steps"] == 2
     row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
     assert row["timing_s/offload"] > 0 and row["timing_s/reload"] > 0
+
+
+# --- DPO and distillation: the frozen model takes turns with the policy --------------------------------------------
+
+def recording(name: str, strategy: str = "hf", **fields) -> RoleConfig:
+    return RoleConfig(worker_cls=f"{__name__}:Recording{name.title()}",
+                      strategy=StrategyConfig(name=strategy, model="tiny-qwen2", **fields))
+
+
+def turns_trainer(run_dir, offload) -> TrainerConfig:
+    return TrainerConfig(backend="local", run_dir=str(run_dir), num_steps=2, num_prompts_per_step=4, val_every_steps=2,
+                         save_every_steps=2, progress_bar=False, offload_idle_roles=offload)
+
+
+def dpo(tmp_path, run, offload, strategy="hf") -> DPOConfig:
+    pairs = tmp_path / "pairs.jsonl"
+    if not pairs.exists():
+        write_pairs(str(pairs), max_operand=9, num_val=8)
+    return DPOConfig(actor=recording("actor", strategy, micro_batch_size_per_worker=4),
+                     reference=recording("reference", strategy), pairs=PairDataConfig(train_path=str(pairs)),
+                     data=DataConfig(max_operand=9, num_val_examples=8),
+                     val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
+                     trainer=turns_trainer(tmp_path / run, offload))
+
+
+@pytest.fixture
+def recorded_rollout(monkeypatch):
+    """The validation rollout (made by the pipeline, not by a config) records its calls too."""
+    monkeypatch.setattr(policy, "RolloutWorker", RecordingRollout)
+
+
+def test_dpos_reference_takes_turns_with_the_colocated_actor_and_changes_no_result(tmp_path, calls, recorded_rollout):
+    run_pipeline(DPOPipeline, dpo(tmp_path, "on", True))
+    # Offloaded by the first validation; each step it is reloaded to score the pairs and offloaded for the update.
+    assert [method for role, method in calls if role == "reference"] == ["offload"] + ["reload", "forward", "offload"] * 2
+    assert {role for role, method in calls if method in ("offload", "reload")} == {"reference"}
+    replay(calls, {("actor", "train_step"): ["reference"], ("rollout", "generate"): ["reference"]})
+    calls.clear()
+    run_pipeline(DPOPipeline, dpo(tmp_path, "off", False))
+    assert calls and not [c for c in calls if c[1] in ("offload", "reload")]
+    assert metrics(tmp_path / "on") == metrics(tmp_path / "off")
+
+
+def test_dpos_actor_rollout_and_reference_take_turns_when_none_share_tensors(tmp_path, calls, monkeypatch):
+    """A mock actor, so the validation rollout (a mock too, here) is a separate role that receives its weights."""
+    monkeypatch.setattr(dpo_module, "validation_rollout", lambda actor: recording("rollout", "mock"))
+    run_pipeline(DPOPipeline, dpo(tmp_path, "on", True, strategy="mock"))  # the mock refuses to work offloaded
+    replay(calls, {("actor", "train_step"): ["reference", "rollout"], ("reference", "forward"): ["actor", "rollout"],
+                   ("rollout", "generate"): ["actor", "reference"]})
+    assert {role for role, method in calls if method == "offload"} == {"actor", "rollout", "reference"}
+    assert calls[-2:] == [("actor", "reload"), ("actor", "save_checkpoint")]  # saved from its device
+
+
+def distill(run_dir, offload, mode, responses) -> DistillConfig:
+    return DistillConfig(actor=recording("actor"), teacher=recording("teacher", seed=1),
+                         algorithm=DistillSettings(loss_type="jsd", top_k=4, mode=mode, responses=responses),
+                         data=DataConfig(max_operand=9, num_val_examples=8),
+                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=3, num_samples_per_prompt=2),
+                         val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
+                         trainer=turns_trainer(run_dir, offload))
+
+
+@pytest.mark.parametrize("mode, responses", [("off_policy", None), ("off_policy", "teacher"), ("on_policy", None)])
+def test_the_teacher_takes_turns_with_the_student_and_changes_no_result(tmp_path, calls, recorded_rollout, mode,
+                                                                        responses):
+    run_pipeline(DistillPipeline, distill(tmp_path / "on", True, mode, responses))
+    # It validates first, on its device; the student's first validation offloads it; each step it is reloaded to
+    # score (and, with its own responses, first to generate them) and offloaded for the student's update.
+    step = ["reload"] + ["generate"] * (responses == "teacher") + ["top_k_log_probs", "offload"]
+    assert [method for role, method in calls if role == "teacher"] == ["generate", "offload"] + step * 2
+    replay(calls, {("actor", "train_step"): ["teacher"], ("rollout", "generate"): ["teacher"]})
+    calls.clear()
+    run_pipeline(DistillPipeline, distill(tmp_path / "off", False, mode, responses))
+    assert calls and not [c for c in calls if c[1] in ("offload", "reload")]
+    assert metrics(tmp_path / "on") == metrics(tmp_path / "off")

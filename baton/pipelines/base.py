@@ -227,6 +227,14 @@ class Pipeline:
                     self.clusters[name].reload()
                 self.resident[name] = True
 
+    def sync_rollout(self) -> None:
+        """The actor's weights into its rollout (`update_pairs[0]`), timed as `timing_s/sync`, with both on their
+        devices (an offloaded, asleep vLLM takes no weights); then the rollout holds the devices it takes turns on."""
+        self.on_device("actor", "rollout")
+        with self.timer("sync"):
+            self.update_pairs[0].sync()
+        self.on_device("rollout")
+
     # --- timing and logging -------------------------------------------------------------------
 
     @contextmanager
@@ -264,6 +272,7 @@ class Pipeline:
         rename. Fails up front if the disk has less free space than the last checkpoint took; a full disk, a
         read-only file system or a denied permission raises CheckpointError in words, with the partial directory
         removed and earlier checkpoints as they were. Keeps the last K and, always, this one."""
+        self.on_device(*self.roles_to_save_from())
         final = checkpoint_path(self.trainer.run_dir, step)
         partial = final + ".partial"
         found = list_checkpoints(self.trainer.run_dir)
@@ -285,6 +294,11 @@ class Pipeline:
             if old not in kept:
                 shutil.rmtree(old)
         return final
+
+    def roles_to_save_from(self) -> list[str]:
+        """The roles that hold their devices while a checkpoint is written (`on_device`): the checkpointed ones,
+        whose state is read from their devices."""
+        return list(self.checkpoint_clusters)
 
     def maybe_resume(self) -> None:
         """Load the checkpoint named by `trainer.resume` into every checkpointed cluster, once its files match its

@@ -254,7 +254,8 @@ class TrainerConfig:
     num_nodes: int | None = None
     progress_bar: bool = True
     # Model roles whose devices overlap (device_mapping) take turns on them: the rollout is offloaded (vLLM: put to
-    # sleep) while the actor, reference and critic compute, and they are offloaded while it generates. "auto": on
+    # sleep) while the actor, reference and critic compute, and they are offloaded while it generates; in DPO and
+    # distillation the reference or teacher is offloaded while the actor trains, and reloaded to score. "auto": on
     # when such roles run on GPUs; true: on CPU too (where offloading frees nothing); false: every role keeps its
     # device memory. A colocated actor and rollout (colocate_actor_rollout) share tensors and are never offloaded.
     offload_idle_roles: bool | str = "auto"

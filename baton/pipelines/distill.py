@@ -146,9 +146,6 @@ class DistillConfig:
             raise ConfigError(f"a step's {rows} responses do not split evenly over the {workers} actor workers; make "
                               f"trainer.num_prompts_per_step (× sampling.num_samples_per_prompt) a multiple of {workers}")
         _check_reward_fn(self.reward_fn, self.reward_on_error)
-        if self.trainer.offload_idle_roles is True:
-            warnings.warn("trainer.offload_idle_roles=true is ignored: the distillation pipeline keeps every role on "
-                          "its devices", stacklevel=2)
 
 
 def vocab_size(strategy: StrategyConfig) -> int:
@@ -185,6 +182,10 @@ class DistillPipeline(Pipeline):
         algo = config.algorithm
         self.loss = DistillLoss(algo.loss_type, algo.beta, algo.loss_agg_mode, algo.sft_weight)
         self.teacher_val: dict[str, float] | None = None
+        # Roles on the same devices take turns (trainer.offload_idle_roles): the teacher scores (or generates), the
+        # student trains, its rollout generates. Colocated, the student and rollout share tensors: neither is offloaded.
+        self.share_devices([["teacher"], ["actor"], ["rollout"]],
+                           never_offloaded=FUSED_POLICY["policy"] if colocate else ())
         self.maybe_resume()
 
     @classmethod
@@ -206,9 +207,10 @@ class DistillPipeline(Pipeline):
         else:
             prompts = collate_prompts(self.train_data, indices, self.tokenizer, data.max_prompt_len)
             if self.config.response_source == "student":
-                self.update_pairs[0].sync()  # the rollout samples with the student's latest weights
+                self.sync_rollout()  # the rollout samples with the student's latest weights
                 generator = self.rollout
             else:
+                self.on_device("teacher")
                 generator = self.teacher
             with self.timer("generate"):
                 batch = generator.generate(prompts, sampling.params()).select(batch_keys=_TRAIN_COLUMNS)
@@ -217,6 +219,7 @@ class DistillPipeline(Pipeline):
 
     def score_with_teacher(self, batch) -> None:
         """Add the teacher's top-k log-probs and ids of every response token to `batch`."""
+        self.on_device("teacher")
         scores = self.teacher.compute_top_k_log_probs(batch, self.config.algorithm.top_k)
         batch.batch[TEACHER_TOP_K_LOG_PROBS] = scores.batch["top_k_log_probs"]
         batch.batch[TEACHER_TOP_K_IDS] = scores.batch["top_k_ids"]
@@ -224,13 +227,14 @@ class DistillPipeline(Pipeline):
     # --- validation and state -------------------------------------------------------------------
 
     def validate(self) -> dict[str, float]:
-        self.update_pairs[0].sync()
+        self.sync_rollout()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 
     def validate_teacher(self) -> dict[str, float]:
         """The teacher's held-out accuracy, measured once (a resumed run keeps the first measurement)."""
         if self.teacher_val is None:
+            self.on_device("teacher")
             self.teacher_val = validate(self.teacher, self.reward, self.val_data, self.tokenizer,
                                         self.config.val_sampling, self.config.data.max_prompt_len)
         return self.teacher_val
@@ -262,6 +266,7 @@ class DistillPipeline(Pipeline):
                 batch, response_metrics = self.make_responses(self.sampler.next_indices(trainer.num_prompts_per_step))
                 with self.timer("teacher"):
                     self.score_with_teacher(batch)
+                self.on_device("actor")
                 with self.timer("update_actor"):
                     per_rank = self.actor.train_step(batch, self.loss, loss_unit(algo.loss_agg_mode))
             metrics = {**{key: per_rank[0][key] for key in DISTILL_METRICS}, **response_metrics,

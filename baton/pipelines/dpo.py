@@ -121,9 +121,6 @@ class DPOConfig:
                               f"evenly over the {workers} actor workers, so a pair would be parted between two; make "
                               f"it a multiple of {workers}")
         _check_reward_fn(self.reward_fn, self.reward_on_error)
-        if self.trainer.offload_idle_roles is True:
-            warnings.warn("trainer.offload_idle_roles=true is ignored: the DPO pipeline keeps every role on its "
-                          "devices", stacklevel=2)
 
 
 @dataclass(frozen=True)
@@ -196,6 +193,10 @@ class DPOPipeline(Pipeline):
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]  # the reference is frozen: rebuilt from its model on resume
         self.loss = DPOLoss(algo.loss_type, algo.beta, algo.label_smoothing, algo.simpo_gamma)
+        # Roles on the same devices take turns (trainer.offload_idle_roles): the reference scores, the actor trains,
+        # the validation rollout generates. Colocated, the actor and rollout share tensors: neither is offloaded.
+        self.share_devices([["reference"], ["actor"], ["rollout"]],
+                           never_offloaded=FUSED_POLICY["policy"] if colocate else ())
         self.maybe_resume()
 
     @classmethod
@@ -218,7 +219,7 @@ class DPOPipeline(Pipeline):
         return rows, val, tokenizer
 
     def validate(self) -> dict[str, float]:
-        self.update_pairs[0].sync()
+        self.sync_rollout()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 
@@ -233,8 +234,10 @@ class DPOPipeline(Pipeline):
                 batch = collate_pairs(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step),
                                       self.tokenizer, self.config.data.max_prompt_len)
                 if self.reference is not None:
+                    self.on_device("reference")
                     with self.timer("ref"):
                         batch.batch["ref_log_probs"] = self.reference.compute_log_probs(batch).batch["log_probs"]
+                self.on_device("actor")
                 with self.timer("update_actor"):
                     per_rank = self.actor.train_step(batch, self.loss, "sequence")
             metrics = {**{key: per_rank[0][key] for key in PREFERENCE_METRICS},

@@ -184,10 +184,7 @@ class RLVRPipeline(Pipeline):
                         rewards.meta_info.setdefault("metrics", {}).update(model_metrics)
                 batch, train_metrics = self.train_on(batch)
                 if step % trainer.sync_every_steps == 0:
-                    self.on_device("actor", "rollout")  # an offloaded (asleep) vLLM takes no weights
-                    with self.timer("sync"):
-                        self.update_pairs[0].sync()
-                    self.on_device("rollout")
+                    self.sync_rollout()
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(rewards),
                        **{k: float(np.sum(v)) for k, v in rewards.meta_info.get("metrics", {}).items()
                           if k.startswith("reward_model/")}, **train_metrics, **self.timings}
@@ -207,9 +204,8 @@ class RLVRPipeline(Pipeline):
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 
-    def do_checkpoint(self, step: int) -> str:
-        self.on_device("rollout", *self.checkpoint_clusters)  # saved from their devices; nothing saved is offloaded
-        return super().do_checkpoint(step)
+    def roles_to_save_from(self) -> list[str]:
+        return ["rollout", *self.checkpoint_clusters]  # the rollout's sampling state is saved too (pipeline_state)
 
 
 def reward_model_role(config: RLVRConfig) -> tuple:

@@ -39,7 +39,7 @@ class SFTPipeline(Pipeline):
         return train.one_response_per_row(config.data.sft_response_key), val, tokenizer
 
     def validate(self) -> dict[str, float]:
-        self.update_pairs[0].sync()
+        self.sync_rollout()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 
