@@ -1,7 +1,7 @@
-"""The distillation demo: SFT trains a teacher (`small-qwen2`) on the exact arithmetic; a `tiny-qwen2` student
-from a random start distils it on-policy (it samples, the teacher scores every token); the same student from the
-same start learns by SFT alone on the same data, steps and learning rate, side by side; the summary says at which
-step each reached 80% of the teacher's accuracy.
+"""The distillation demo: SFT trains a teacher (`small-qwen2`'s width at half its depth, ~4.0M parameters) on the
+exact arithmetic; a `tiny-qwen2` student from a random start distils it on-policy (it samples, the teacher scores
+every token); the same student from the same start learns by SFT alone on the same data, steps and learning rate,
+side by side; the summary says at which step each reached 80% of the teacher's accuracy.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from baton.tracking import plot_run
 from baton.tracking.tracker import read_metrics
 
 TARGET_SHARE = 0.8  # of the teacher's held-out accuracy
+# The teacher: 5x the student's parameters. The full 8-layer small-qwen2 learnt the task slowly and unevenly by seed
+# (82.0% after 700 steps on seed 3, below the student's own SFT), this one in fewer, cheaper steps.
+TEACHER_MODEL = {"base": "small-qwen2", "num_hidden_layers": 4}
 
 
 def _exact_data() -> DataConfig:
@@ -32,11 +35,11 @@ def _exact_data() -> DataConfig:
 def _teacher_default() -> SFTConfig:
     schedule = SchedulerConfig(name="cosine", warmup_steps=20, min_lr_ratio=0.1)
     return SFTConfig(
-        actor=RoleConfig(strategy=StrategyConfig(model="small-qwen2", optimizer=OptimizerConfig(lr=1e-3),
+        actor=RoleConfig(strategy=StrategyConfig(model=dict(TEACHER_MODEL), optimizer=OptimizerConfig(lr=1e-3),
                                                  scheduler=schedule)),
         data=None,
         val_sampling=dataclasses.replace(_VAL_SAMPLING),
-        trainer=TrainerConfig(num_steps=700, num_prompts_per_step=64, val_every_steps=100, save_every_steps=700),
+        trainer=TrainerConfig(num_steps=1000, num_prompts_per_step=64, val_every_steps=100, save_every_steps=1000),
     )
 
 
@@ -52,7 +55,8 @@ def _student_trainer() -> TrainerConfig:
 def _distill_default() -> DistillConfig:
     return DistillConfig(
         actor=RoleConfig(strategy=_student_strategy()),
-        teacher=RoleConfig(strategy=StrategyConfig(model="small-qwen2")),  # the model: the teacher stage's checkpoint
+        # The teacher's model is replaced by the teacher stage's final checkpoint.
+        teacher=RoleConfig(strategy=StrategyConfig(model=dict(TEACHER_MODEL))),
         algorithm=DistillSettings(loss_type="forward_kl", top_k=16, mode="on_policy"),
         data=None,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, num_samples_per_prompt=1),
