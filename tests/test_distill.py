@@ -272,7 +272,8 @@ def test_the_example_takes_run_dir_and_seed_and_compares_like_with_like():
     assert [config.stage(s).trainer.run_dir for s in config.stages] == ["out/x/teacher", "out/x/distill", "out/x/sft_alone"]
     assert {config.teacher.trainer.seed, config.distill.actor.strategy.seed, config.sft_alone.actor.strategy.seed,
             config.distill.teacher.strategy.seed} == {2}
-    assert config.teacher.actor.strategy.model == {"base": "small-qwen2", "num_hidden_layers": 4} and config.stage("teacher").data.teacher_error == 0
+    assert config.teacher.actor.strategy.model == {"base": "small-qwen2", "num_hidden_layers": 4}
+    assert config.stage("teacher").data.teacher_error == 0
     distill, alone = config.stage("distill"), config.stage("sft_alone")
     assert distill.actor.strategy.model == alone.actor.strategy.model == "tiny-qwen2"  # the same start
     assert distill.actor.strategy.optimizer == alone.actor.strategy.optimizer
