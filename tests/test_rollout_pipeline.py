@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from baton.checkpoint import PIPELINE_STATE, load_state
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
@@ -67,6 +68,22 @@ def test_async_staleness_bound_holds_across_a_resume(tmp_path):
     by_step = steps(tmp_path)
     assert sorted(by_step) == [1, 2, 3, 4, 5]
     assert all(by_step[s]["rollout/staleness/max"] <= 1 for s in by_step)
+
+
+def test_an_async_checkpoint_keeps_the_next_steps_groups_taken_ahead(tmp_path):
+    """An overlapped step takes the next step's groups while it trains; a checkpoint saves them as the next step's,
+    and a run resumed from it trains that step on them: the same metrics as the run that went on."""
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "first", num_steps=3, mode="async", max_staleness=1))
+    checkpoint = tmp_path / "first" / "checkpoints" / "step_2"
+    state = load_state(str(checkpoint / PIPELINE_STATE))
+    assert len(state["next_rollout"]["groups"]) == 4 and state["rollouts"]["consumed_steps"] == 3
+    config = tiny(tmp_path / "resumed", num_steps=3, mode="async", max_staleness=1)
+    config.trainer.resume = str(checkpoint)
+    run_pipeline(RolloutRLVRPipeline, config)
+    first, resumed = steps(tmp_path / "first"), steps(tmp_path / "resumed")
+    assert sorted(resumed) == [3] and resumed[3]["rollout/staleness/max"] <= 1
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+        assert resumed[3][key] == first[3][key], key
 
 
 def test_a_sync_run_resumes_exactly(tmp_path):

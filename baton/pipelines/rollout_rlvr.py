@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from baton.config import ConfigError
+from baton.data import DataProto
 from baton.datasets import PromptDataset
 from baton.pipelines.base import Pipeline, cluster_devices, on_gpus
 from baton.pipelines.config import RLVRConfig, RoleConfig
@@ -146,7 +147,9 @@ class RolloutRLVRPipeline(RLVRPipeline):
         self.time_share = self.engines_share_devices(clusters, list(engines))
         if engines:
             self.rollouts.update_weights(self.actor, version=0)
-        self.next_rollout: concurrent.futures.Future | None = None  # one_step_off: the next step's, running
+        # The overlapped modes: the next step's (groups, metrics, batch or None), being generated or taken, and
+        # made training data, in the background while this step trains.
+        self.next_rollout: concurrent.futures.Future | None = None
         self.maybe_resume()
 
     def engines_share_devices(self, clusters: dict, engines: list[str]) -> bool:
@@ -180,11 +183,11 @@ class RolloutRLVRPipeline(RLVRPipeline):
     # --- state ------------------------------------------------------------------------------------
 
     def pipeline_state(self) -> dict:
-        """Besides RLVR's: the data source (its buffer and the partial samples in it) and, in one_step_off mode, the
-        next step's rollout, finished first."""
+        """Besides RLVR's: the data source (its buffer and the partial samples in it) and, in the overlapped modes,
+        the next step's groups, generated or taken ahead (waited for first)."""
         state = {**super().pipeline_state(), "rollouts": self.rollouts.state_dict(), "next_rollout": None}
         if self.next_rollout is not None:
-            groups, metrics = self.next_rollout.result()
+            groups, metrics, _ = self.next_rollout.result()
             state["next_rollout"] = {"groups": [[s.to_dict() for s in g] for g in groups], "metrics": metrics}
         return state
 
@@ -195,7 +198,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
         if saved is not None:
             groups = [[Sample.from_dict(d) for d in g] for g in saved["groups"]]
             self.next_rollout = concurrent.futures.Future()
-            self.next_rollout.set_result((groups, saved["metrics"]))
+            self.next_rollout.set_result((groups, saved["metrics"], None))  # made training data when its step comes
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
@@ -204,9 +207,12 @@ class RolloutRLVRPipeline(RLVRPipeline):
 
     def do_checkpoint(self, step: int) -> str:
         """In async mode the producer stops first (what runs is aborted into the buffer, what is ready goes back to
-        its front), so the checkpoint holds every sample; it starts again after."""
+        its front), so the checkpoint holds every sample; it starts again after. The next step's take, running
+        meanwhile, is waited for first: its groups are saved as the next step's."""
         continuous = self.rollouts._producer is not None
         if continuous:
+            if self.next_rollout is not None:
+                self.next_rollout.result()
             self.rollouts.stop_continuous()
         path = Pipeline.do_checkpoint(self, step)
         if continuous and step < self.trainer.num_steps:
@@ -215,18 +221,32 @@ class RolloutRLVRPipeline(RLVRPipeline):
 
     # --- the loop ---------------------------------------------------------------------------------
 
-    def next_groups(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        mode = self.config.rollout_system.mode
-        if mode == "async":
-            return self.rollouts.take()
-        if self.next_rollout is not None:  # one_step_off: started during the last step (or saved with it)
-            groups, metrics = self.next_rollout.result()
+    def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """The step's training batch and its metrics. In the overlapped modes it was prepared in the background
+        during the last step (or saved with it), and the next step's is started now: its groups are generated
+        (one_step_off) or taken from the producer (async) and made training data while this step trains, so that
+        only what training did not hide is waited for."""
+        if self.next_rollout is not None:
+            groups, metrics, made = self.next_rollout.result()
             self.next_rollout = None
         else:
-            groups, metrics = self.rollouts.generate(step)
-        if mode == "one_step_off" and step < self.trainer.num_steps:
-            self.next_rollout = self.rollouts.generate_async(step + 1)
-        return groups, metrics
+            groups, metrics, made = self.prepare(step)
+        if self.config.rollout_system.mode != "sync" and step < self.trainer.num_steps:
+            self.next_rollout = self.rollouts.run_in_background(self.prepare, step + 1)
+        batch, data_metrics = made if made is not None else self.training_data(groups, step)  # None: from a checkpoint
+        return batch, {**metrics, **data_metrics}
+
+    def prepare(self, step: int) -> tuple[list[list[Sample]], dict[str, float], tuple[DataProto, dict]]:
+        """Step `step`'s groups (generated, or taken from the async producer), their metrics, and their training
+        batch."""
+        groups, metrics = self.rollouts.take() if self.config.rollout_system.mode == "async" else \
+            self.rollouts.generate(step)
+        return groups, metrics, self.training_data(groups, step)
+
+    def training_data(self, groups: list[list[Sample]], step: int) -> tuple[DataProto, dict[str, float]]:
+        """Step `step` trains the weights of version step - 1: the groups are checked against the bound for it."""
+        return self.rollouts.to_training_data(groups, trained_version=step - 1,
+                                              temperature=self.config.sampling.temperature)
 
     def run(self) -> dict:
         trainer, system = self.config.trainer, self.config.rollout_system
@@ -239,10 +259,8 @@ class RolloutRLVRPipeline(RLVRPipeline):
         metrics: dict[str, float] = {}
         for step in self.training_steps("rlvr"):
             with self.timer("step"):
-                with self.timer("gen"):  # the wait for the step's samples (what generation did not overlap)
-                    groups, rollout_metrics = self.next_groups(step)
-                    batch, data_metrics = self.rollouts.to_training_data(
-                        groups, trained_version=step - 1, temperature=self.config.sampling.temperature)
+                with self.timer("gen"):  # the wait for the step's batch (what generation did not overlap)
+                    batch, rollout_metrics = self.next_batch(step)
                 batch, train_metrics, sync_metrics = batch, {}, {}
                 if not system.rollout_only:
                     if self.time_share:  # the engines sleep while the training roles use their devices
@@ -254,7 +272,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
                             self.rollouts.onload()
                     with self.timer("sync"):
                         sync_metrics = self.rollouts.update_weights(self.actor, version=step) if engines else {}
-            metrics = {**self.rollout_metrics(batch), **rollout_metrics, **data_metrics, **train_metrics,
+            metrics = {**self.rollout_metrics(batch), **rollout_metrics, **train_metrics,
                        **sync_metrics, **self.timings}
             if self.signal_watch is not None:
                 self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])

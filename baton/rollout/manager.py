@@ -2,10 +2,10 @@
 engine pool, the data source with its buffer, the reward, and an event loop (in a thread of its own) on which the
 rollout functions run; the trainer asks it for a step's groups, gives it new weights, and checkpoints its state.
 
-Three ways to run beside training (`RolloutSystemConfig.mode`): `generate(rollout_id)` (sync), `generate_async`
-(one_step_off: the next step's rollout runs while this one trains), and `start_continuous` / `take` (async:
-groups are generated continuously, each admitted only while the groups ahead of it keep it within
-`max_staleness`). Every group handed to training is checked against `max_staleness` (trained version minus its
+Three ways to run beside training (`RolloutSystemConfig.mode`): `generate(rollout_id)` (sync), the same in
+`run_in_background` (one_step_off: the next step's rollout runs while this one trains), and `start_continuous` /
+`take` (async: groups are generated continuously, each admitted only while the groups ahead of it keep it within
+`max_staleness`; the trainer may take the next step's while this one trains). Every group handed to training is checked against `max_staleness` (trained version minus its
 oldest token's version): a group past it is dropped and its prompt goes back to the buffer.
 """
 
@@ -178,8 +178,7 @@ class RolloutManager:
         self._ready: list[list[Sample]] = []
         self._producer: concurrent.futures.Future | None = None
         self._stop_producing: asyncio.Event | None = None
-        # Set when a step takes groups (or stale ones go back): admit again. New weights do not wake the producer:
-        # the step's take follows them, and groups admitted first would hold the take up.
+        # Set when a step takes groups, stale ones go back or new weights come: admit again.
         self._wake: asyncio.Event | None = None
         self._grew: asyncio.Event | None = None  # set when a group is ready (or the producer stops): take again
         self._taking = False  # a step waits in `take`
@@ -220,9 +219,10 @@ class RolloutManager:
             save_rollout(self.config.save_rollouts, rollout_id, groups)
         return groups, {**ctx.metrics, **self.router_metrics()}
 
-    def generate_async(self, rollout_id: int) -> concurrent.futures.Future:
-        """`generate(rollout_id)` in a background thread (one_step_off)."""
-        return self._background.submit(self.generate, rollout_id)
+    def run_in_background(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """`fn(*args)` in the manager's background thread, one call after another: the overlapped modes prepare the
+        next step's batch there (its `generate` or `take`, made training data) while the trainer runs this one."""
+        return self._background.submit(fn, *args)
 
     # --- async: continuous generation ------------------------------------------------------------------
 
@@ -383,6 +383,8 @@ class RolloutManager:
         for engine in self.engines:
             engine.import_weights(buckets, version)
         self._buckets, self.version = buckets, version
+        if self._producer is not None:  # the bound moved on: the next step's take may have been done already
+            self.loop.call_soon(self._wake.set)
         if ours is not None:
             check = functools.partial(_check_weights, pairs, ours)
             if self.config.mode == "sync":
