@@ -22,8 +22,9 @@ always run last would carry the drift.
 
 Per mode it prints the median seconds per step (the first `NUM_WARMUP_STEPS` dropped), the greedy held-out
 accuracy at the end (`val/accuracy`, 200 problems) and the split of a step:
-  gen   = `timing_s/gen`: the wait for the step's samples (in `sync` all of generation; in the overlapped modes
-          only what training did not hide);
+  gen   = `timing_s/gen`: the wait for the step's training batch (in `sync` all of generation; in the overlapped
+          modes only what training did not hide: the next step's batch is generated or taken, and made training
+          data, while this step trains);
   train = step − gen: everything else in the step (old log-probs, advantages, the update, the weight sync),
           as the median step minus the median gen, so that a sync step is gen + train.
 The sync run's gen and train are the work a step holds; an overlapped step takes at best max(gen, train) of
@@ -33,6 +34,11 @@ them, so a mode's overlap efficiency is (sync gen + sync train) / its step, agai
 Per mode it also meters the CPU seconds a step uses in the driver and every Ray worker process together (`CPU s`,
 sampled with psutil) and divides them by the machine's cores (`floor s`): no schedule runs that work in less wall
 time on this machine, so where the floor is above max(gen, train) the cores, not the overlap, bound the step.
+
+Before the runs it measures the machine's core contention (pinned runs only): how many times longer a one-thread
+torch forward/backward takes on the trainer's core while another process runs torch on the engine's core. Where it
+is above 1, the cores share their vector units or memory path, the update runs slower beside generation than alone,
+and an overlapped step's train (printed over the sync run's) is longer than the sync run's max(gen, train).
 
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1 2] [--run-dir runs/bench_rollout]
                                       [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--probe-every-syncs N]
@@ -47,6 +53,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -215,6 +222,47 @@ def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_promp
                          for k in records[0] if k.startswith("timing_s/")}}
 
 
+# A process that keeps one torch thread busy with matmuls on the given core until killed; it moves there before it
+# imports torch and says "ready" once it computes.
+_COMPETITOR = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nimport torch\ntorch.set_num_threads(1)\n"
+               "a = torch.randn(256, 256)\na @ a\nprint('ready', flush=True)\nwhile True:\n    a @ a")
+
+
+def core_contention(core: int, other_core: int, num_reps: int = 7) -> float:
+    """How many times longer a one-thread torch forward and backward takes on `core` while another process runs torch
+    matmuls on `other_core` than while that core idles: medians of `num_reps` timings each, alternated. On a machine
+    whose cores share their vector units or memory path, the trainer runs this much slower while an engine
+    generates beside it, so an overlapped step cannot reach the sync run's max(gen, train)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 256), torch.randn(256, 256, requires_grad=True)
+
+    def work_s() -> float:
+        start = time.perf_counter()
+        for _ in range(300):
+            (x @ w).tanh().sum().backward()
+        return time.perf_counter() - start
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        work_s()  # warm-up
+        alone, beside = [], []
+        for _ in range(num_reps):
+            alone.append(work_s())
+            competitor = subprocess.Popen([sys.executable, "-c", _COMPETITOR, str(other_core)], stdout=subprocess.PIPE)
+            try:
+                ready, _, _ = select.select([competitor.stdout], [], [], 60.0)
+                if not ready or competitor.stdout.readline().strip() != b"ready":
+                    raise RuntimeError("the core-contention competitor did not start computing within 60 s")
+                beside.append(work_s())
+            finally:
+                competitor.kill()
+                competitor.wait(timeout=10)
+    finally:
+        os.sched_setaffinity(0, before)
+    return statistics.median(beside) / statistics.median(alone)
+
+
 def load_average() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip().split("load average:")[-1].strip()
 
@@ -247,6 +295,7 @@ def main() -> int:
     checkpoint = os.path.abspath(args.sft_checkpoint) if args.sft_checkpoint else \
         sft_checkpoint(args.run_dir, args.fresh, args.sft_steps)
     torch.set_num_threads(1)  # the driver of the GRPO runs stays light
+    contention = core_contention(TRAINER_CORES[0], ENGINE_CORES[0]) if args.pin else None
     print(f"GRPO from {checkpoint}: {num_steps} steps × {num_prompts_per_step} prompts × {SAMPLES_PER_PROMPT} samples "
           f"(≤ {MAX_NEW_TOKENS} tokens) per mode, seeds {args.seeds}; actor and engine in separate Ray workers, "
           f"1 torch thread each, {NUM_RAY_CPUS} Ray CPUs, {os.cpu_count()} cores"
@@ -290,16 +339,20 @@ def main() -> int:
         cpu_floor_s = cpu_s_per_step / os.cpu_count() if cpu_s else None
         per_mode[mode] = {"step_s": step_s, "gen_s": median_of(mode, "gen_s"), "train_s": step_s - median_of(mode, "gen_s"),
                           "cpu_s_per_step": cpu_s_per_step, "cpu_floor_s": cpu_floor_s,
-                          "step_over_cpu_floor": step_s / cpu_floor_s if cpu_s else None,
+                          "step_over_cpu_floor": step_s / cpu_floor_s if cpu_floor_s else None,
                           "speedup": sync_step_s / step_s, "accuracy": statistics.median(accuracies),
                           "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
                           "overlap_efficiency": (sync_gen_s + sync_train_s) / step_s, "step_over_bound": step_s / bound_s,
+                          "train_over_sync_train": (step_s - median_of(mode, "gen_s")) / sync_train_s,
                           "step_over_bound_per_seed": [over_own_seeds_bound(r) for r in runs if r["mode"] == mode]}
     start_accuracy = statistics.median(r["start_accuracy"] for r in runs if r["mode"] == "sync")
 
     print(f"\nSFT checkpoint accuracy {start_accuracy:.1%}; sync step: gen {sync_gen_s:.2f} s "
           f"({sync_gen_s / sync_step_s:.0%}), train {sync_train_s:.2f} s ({sync_train_s / sync_step_s:.0%}); "
           f"max(gen, train) {bound_s:.2f} s; ideal overlap efficiency {ideal_efficiency:.2f}")
+    if contention is not None:
+        print(f"core contention: a torch forward/backward on core {TRAINER_CORES[0]} takes {contention:.2f}× as long while "
+              f"another process runs torch on core {ENGINE_CORES[0]} (the engine's) as while that core idles")
     print(f"{'mode':>12}  {'s/step':>7}  {'speedup':>7}  {'gen s':>6}  {'train s':>7}  {'(gen+train)/step':>16}  "
           f"{'step/max':>8}  {'CPU s':>6}  {'floor s':>7}  {'accuracy':>9}")
     for mode, m in per_mode.items():
@@ -307,6 +360,8 @@ def main() -> int:
         print(f"{mode:>12}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['train_s']:>7.2f}  "
               f"{m['overlap_efficiency']:>16.2f}  {m['step_over_bound']:>7.2f}×  {m['cpu_s_per_step'] or 0:>6.2f}  "
               f"{m['cpu_floor_s'] or 0:>7.2f}  {m['accuracy']:>9.1%}{spread}")
+    print("train over sync train (the trainer's critical path, slowed beside generation): " + "; ".join(
+        f"{mode} {per_mode[mode]['train_over_sync_train']:.2f}×" for mode in ("one_step_off", "async")))
     if len(args.seeds) > 1:
         print("step/max per seed, against that seed's sync run: " + "; ".join(
             f"{mode} " + " ".join(f"{ratio:.2f}×" for ratio in per_mode[mode]["step_over_bound_per_seed"])
@@ -328,7 +383,7 @@ def main() -> int:
         "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step, "samples_per_prompt": SAMPLES_PER_PROMPT,
         "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS, "seeds": args.seeds, "quick": args.quick,
         "trim_padding": args.trim_padding, "probe_every_syncs": args.probe_every_syncs, "pinned": args.pin,
-        "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "load_average_start": load_start,
+        "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "core_contention": contention, "load_average_start": load_start,
         "load_average_end": load_end, "runs": runs,
     }
     low, high = TARGET_GEN_SHARE
