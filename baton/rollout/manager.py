@@ -5,8 +5,9 @@ rollout functions run; the trainer asks it for a step's groups, gives it new wei
 Three ways to run beside training (`RolloutSystemConfig.mode`): `generate(rollout_id)` (sync), the same in
 `run_in_background` (one_step_off: the next step's rollout runs while this one trains), and `start_continuous` /
 `take` (async: groups are generated continuously, each admitted only while the groups ahead of it keep it within
-`max_staleness`; the trainer may take the next step's while this one trains). Every group handed to training is checked against `max_staleness` (trained version minus its
-oldest token's version): a group past it is dropped and its prompt goes back to the buffer.
+`max_staleness`; the trainer may take the next step's while this one trains). Every group handed to training is
+checked against `max_staleness` (trained version minus its oldest token's version): a group past it is dropped and
+its prompt goes back to the buffer.
 """
 
 from __future__ import annotations
