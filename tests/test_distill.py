@@ -4,6 +4,7 @@ and the pipeline (both modes, teacher responses, exact resume) and the demo for 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -273,7 +274,11 @@ def test_the_example_takes_run_dir_and_seed_and_compares_like_with_like():
     assert {config.teacher.trainer.seed, config.distill.actor.strategy.seed, config.sft_alone.actor.strategy.seed,
             config.distill.teacher.strategy.seed} == {2}
     assert config.teacher.actor.strategy.model == {"base": "small-qwen2", "num_hidden_layers": 4}
-    assert config.stage("teacher").data.teacher_error == 0
+    # The teacher learns exact answers; the students have the weak labeler's, on the same problems and held-out split.
+    teacher_data, student_data = config.stage("teacher").data, config.stage("sft_alone").data
+    assert teacher_data.teacher_error == 0 and student_data.teacher_error == 0.3
+    assert config.stage("distill").data == student_data
+    assert dataclasses.replace(teacher_data, teacher_error=0.3) == student_data
     distill, alone = config.stage("distill"), config.stage("sft_alone")
     assert distill.actor.strategy.model == alone.actor.strategy.model == "tiny-qwen2"  # the same start
     assert distill.actor.strategy.optimizer == alone.actor.strategy.optimizer
@@ -282,6 +287,8 @@ def test_the_example_takes_run_dir_and_seed_and_compares_like_with_like():
         assert getattr(distill.trainer, key) == getattr(alone.trainer, key), key
     with pytest.raises(ConfigError, match="set run_dir instead"):
         resolve(os.path.join(EXAMPLES, "distill.yaml"), ["distill.trainer.run_dir=elsewhere"])
+    with pytest.warns(UserWarning, match="teacher.data and data differ in max_operand"):
+        resolve(os.path.join(EXAMPLES, "distill.yaml"), ["data.max_operand=9"])
 
 
 def test_the_demo_trains_a_teacher_distils_it_and_runs_sft_alone_and_a_resume_reruns_nothing(tmp_path):
@@ -289,7 +296,7 @@ def test_the_demo_trains_a_teacher_distils_it_and_runs_sft_alone_and_a_resume_re
 
     example = os.path.join(EXAMPLES, "distill.yaml")
     settings = [f"run_dir={tmp_path / 'demo'}", "data.max_operand=9", "data.num_val_examples=8",
-                "teacher.actor.strategy.model=tiny-qwen2"]
+                "teacher.data.max_operand=9", "teacher.data.num_val_examples=8", "teacher.actor.strategy.model=tiny-qwen2"]
     for stage in ("teacher", "distill", "sft_alone"):
         settings += [f"{stage}.trainer.backend=local", f"{stage}.trainer.progress_bar=false",
                      f"{stage}.trainer.num_steps=2", f"{stage}.trainer.num_prompts_per_step=4",

@@ -1,7 +1,8 @@
-"""The distillation demo: SFT trains a teacher (`small-qwen2`'s width at half its depth, ~4.0M parameters) on the
-exact arithmetic; a `tiny-qwen2` student from a random start distils it on-policy (it samples, the teacher scores
-every token); the same student from the same start learns by SFT alone on the same data, steps and learning rate,
-side by side; the summary says at which step each reached 80% of the teacher's accuracy.
+"""The distillation demo: SFT trains a teacher (`small-qwen2`'s width at half its depth, ~4.0M parameters) on exact
+arithmetic; a `tiny-qwen2` student from a random start distils it on-policy (it samples, the teacher scores every
+token); the same student from the same start learns by SFT alone on the demonstrations a student would otherwise
+have, a weak labeler's (on a sum that carries, 3 of a problem's 10 drop the carry), with the same steps and
+learning rate, side by side; the summary says at which step each reached 80% of the teacher's accuracy.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -28,8 +30,15 @@ TEACHER_MODEL = {"base": "small-qwen2", "num_hidden_layers": 4}
 
 
 def _exact_data() -> DataConfig:
-    """Addition up to 30+30, every demonstration exact (teacher_error 0)."""
+    """Addition up to 30+30, every demonstration exact (teacher_error 0): the teacher's."""
     return DataConfig(task="arithmetic", max_operand=30, num_val_examples=200, teacher_error=0.0)
+
+
+def _weak_labeler_data() -> DataConfig:
+    """The same problems and held-out split, ten demonstrations per problem; on a sum that carries, three of them drop
+    the carry (teacher_error 0.3: the majority is right): the student's. On-policy distillation reads its prompts
+    only; SFT alone trains on its demonstrations."""
+    return DataConfig(task="arithmetic", max_operand=30, num_val_examples=200, teacher_error=0.3)
 
 
 def _teacher_default() -> SFTConfig:
@@ -37,7 +46,7 @@ def _teacher_default() -> SFTConfig:
     return SFTConfig(
         actor=RoleConfig(strategy=StrategyConfig(model=dict(TEACHER_MODEL), optimizer=OptimizerConfig(lr=1e-3),
                                                  scheduler=schedule)),
-        data=None,
+        data=_exact_data(),
         val_sampling=dataclasses.replace(_VAL_SAMPLING),
         trainer=TrainerConfig(num_steps=1000, num_prompts_per_step=64, val_every_steps=100, save_every_steps=1000),
     )
@@ -74,10 +83,11 @@ def _sft_alone_default() -> SFTConfig:
 class DistillDemoConfig(TwoStageConfig):
     """Three stages, each under `run_dir/<stage>` (seed, resume and overwrite as in `TwoStageConfig`):
 
-    teacher: SFT of the teacher model on `data` (exact answers);
-    distill: the student distils the teacher stage's final checkpoint (`distill.teacher`'s model is set to it);
-    sft_alone: the student by SFT alone, the baseline; give it distill's actor and trainer settings to compare
-        like with like (the shipped example does).
+    teacher: SFT of the teacher model on `teacher.data` (exact answers; null: `data`);
+    distill: the student distils the teacher stage's final checkpoint (`distill.teacher`'s model is set to it) on
+        `data`'s prompts (on-policy) or responses (off-policy);
+    sft_alone: the student by SFT alone on `data` (the weak labeler's demonstrations), the baseline; give it
+        distill's actor and trainer settings to compare like with like (the shipped example does).
     `summary.json`: the teacher's, the distilled student's and the SFT-alone student's held-out accuracy, and the
     first validated step at which each student reached TARGET_SHARE of the teacher's (null: not within its steps).
     """
@@ -86,7 +96,7 @@ class DistillDemoConfig(TwoStageConfig):
 
     pipeline_cls: str = "baton.pipelines.distill_demo:DistillDemoPipeline"
     run_dir: str = "runs/distill"
-    data: DataConfig = field(default_factory=_exact_data)
+    data: DataConfig = field(default_factory=_weak_labeler_data)
     teacher: SFTConfig = field(default_factory=_teacher_default)
     distill: DistillConfig = field(default_factory=_distill_default)
     sft_alone: SFTConfig = field(default_factory=_sft_alone_default)
@@ -94,6 +104,17 @@ class DistillDemoConfig(TwoStageConfig):
     @property
     def stages(self) -> tuple[str, ...]:
         return ("teacher", "distill", "sft_alone")
+
+    def __post_init__(self):
+        super().__post_init__()
+        teacher, students = self.teacher.data, self.data
+        if teacher is not None and students is not None:
+            differ = [f.name for f in dataclasses.fields(DataConfig) if f.name != "teacher_error"
+                      and getattr(teacher, f.name) != getattr(students, f.name)]
+            if differ:  # e.g. `data.max_operand=9` given alone: the teacher would learn another task
+                warnings.warn(f"teacher.data and data differ in {', '.join(differ)} (not only teacher_error): the "
+                              "teacher trains on other problems than the students; set both (teacher.data.<key> too) "
+                              "or teacher.data: null to train it on data", UserWarning, stacklevel=2)
 
     def _seeded(self):
         yield from super()._seeded()
