@@ -38,7 +38,7 @@ def _weak_labeler_data() -> DataConfig:
     """The same problems and held-out split, ten demonstrations per problem; on a sum that carries, three of them drop
     the carry (teacher_error 0.3: the majority is right): the student's. On-policy distillation reads its prompts
     only; SFT alone trains on its demonstrations."""
-    return DataConfig(task="arithmetic", max_operand=30, num_val_examples=200, teacher_error=0.3)
+    return dataclasses.replace(_exact_data(), teacher_error=0.3)
 
 
 def _teacher_default() -> SFTConfig:
