@@ -360,3 +360,19 @@ def test_a_long_lived_context_forgets_the_requests_that_finished(tmp_path):
         assert ctx._request_ids == {} and ctx._request_keys == {}
     finally:
         pipeline.shutdown()
+
+
+def test_the_wait_for_the_next_steps_batch_is_bounded(tmp_path):
+    import concurrent.futures
+
+    from baton.rollout.functions import RolloutStalledError
+
+    pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1, mode="one_step_off",
+                                        rollout_timeout_s=0.2, watchdog_s=0.2))
+    try:
+        pipeline.next_rollout = concurrent.futures.Future()  # a preparation that never finishes
+        with pytest.raises(RolloutStalledError, match="the next step's batch was not ready within 0.4 s"):
+            pipeline.wait_next_rollout()
+    finally:
+        pipeline.next_rollout = None
+        pipeline.shutdown()

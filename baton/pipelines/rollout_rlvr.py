@@ -31,6 +31,7 @@ from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
 from baton.rollout import RolloutDataSource, Sample
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.engine_worker import EngineWorker
+from baton.rollout.functions import RolloutStalledError
 from baton.rollout.manager import RolloutManager
 from baton.workers import ActorWorker, CriticWorker, ReferenceWorker
 from baton.workers.weight_sync import probe_batch
@@ -187,7 +188,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
         the next step's groups, generated or taken ahead (waited for first)."""
         state = {**super().pipeline_state(), "rollouts": self.rollouts.state_dict(), "next_rollout": None}
         if self.next_rollout is not None:
-            groups, metrics, _ = self.next_rollout.result()
+            groups, metrics, _ = self.wait_next_rollout()
             state["next_rollout"] = {"groups": [[s.to_dict() for s in g] for g in groups], "metrics": metrics}
         return state
 
@@ -212,7 +213,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
         continuous = self.rollouts._producer is not None
         if continuous:
             if self.next_rollout is not None:
-                self.next_rollout.result()
+                self.wait_next_rollout()
             self.rollouts.stop_continuous()
         path = Pipeline.do_checkpoint(self, step)
         if continuous and step < self.trainer.num_steps:
@@ -227,7 +228,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
         (one_step_off) or taken from the producer (async) and made training data while this step trains, so that
         only what training did not hide is waited for."""
         if self.next_rollout is not None:
-            groups, metrics, made = self.next_rollout.result()
+            groups, metrics, made = self.wait_next_rollout()
             self.next_rollout = None
         else:
             groups, metrics, made = self.prepare(step)
@@ -235,6 +236,20 @@ class RolloutRLVRPipeline(RLVRPipeline):
             self.next_rollout = self.rollouts.run_in_background(self.prepare, step + 1)
         batch, data_metrics = made if made is not None else self.training_data(groups, step)  # None: from a checkpoint
         return batch, {**metrics, **data_metrics}
+
+    def wait_next_rollout(self) -> tuple:
+        """The next step's prepared (groups, metrics, batch or None). Its generate or take is bounded by
+        rollout_timeout_s or watchdog_s; this wait by both together, past which a RolloutStalledError names the stall."""
+        system = self.config.rollout_system
+        timeout_s = system.rollout_timeout_s + system.watchdog_s
+        try:
+            return self.next_rollout.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            if self.next_rollout.done():  # the preparation's own timeout
+                raise
+            raise RolloutStalledError(self.rollouts.describe_stall(
+                f"the next step's batch was not ready within {timeout_s:g} s (rollout_system.rollout_timeout_s + "
+                "watchdog_s)")) from None
 
     def prepare(self, step: int) -> tuple[list[list[Sample]], dict[str, float], tuple[DataProto, dict]]:
         """Step `step`'s groups (generated, or taken from the async producer), their metrics, and their training
