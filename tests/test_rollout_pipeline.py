@@ -376,3 +376,57 @@ def test_the_wait_for_the_next_steps_batch_is_bounded(tmp_path):
     finally:
         pipeline.next_rollout = None
         pipeline.shutdown()
+
+
+HELD = threading.Event()  # set: the groups after the first step's are held before they generate
+GROUPS_STARTED: list[int] = []  # group indices, in the order their first sample started
+
+
+async def held_after_the_first_step(args, sample, params):
+    import asyncio
+
+    if sample.group_index not in GROUPS_STARTED:
+        GROUPS_STARTED.append(sample.group_index)
+    if GROUPS_STARTED.index(sample.group_index) >= args.num_groups_per_step:
+        for _ in range(6000):  # at most 60 s
+            if not HELD.is_set():
+                break
+            await asyncio.sleep(0.01)
+    return await generate_sample(args, sample, params)
+
+
+def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_path):
+    """Once the trainer has synced and waits for its step's groups, all started, the producer starts no more
+    until the step has them (they would only slow that step's); then it goes on."""
+    import time
+
+    GROUPS_STARTED.clear()
+    HELD.set()
+    pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=3, engines=1, mode="async", max_staleness=1,
+                                        generate_function=f"{THIS}:held_after_the_first_step"))
+    manager = pipeline.rollouts
+    try:
+        manager.start_continuous()
+        first, _ = manager.take()
+        assert len(first) == 4
+        second: list = []
+        waiting = threading.Thread(target=lambda: second.append(manager.take()))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not manager._taking and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert manager._taking and len(GROUPS_STARTED) == 8  # step 2's groups are started and held
+        manager.update_weights(pipeline.actor, version=1)  # step 1 synced: step 3's groups are admissible now
+        time.sleep(0.5)
+        assert len(GROUPS_STARTED) == 8, "groups started while the trainer waited on the ones it needs"
+        HELD.clear()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive() and len(second[0][0]) == 4
+        deadline = time.monotonic() + 30
+        while len(GROUPS_STARTED) < 12 and time.monotonic() < deadline:  # then the producer goes on
+            time.sleep(0.01)
+        assert len(GROUPS_STARTED) == 12
+    finally:
+        HELD.clear()
+        manager.stop_continuous()
+        pipeline.shutdown()

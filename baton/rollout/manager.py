@@ -5,9 +5,9 @@ rollout functions run; the trainer asks it for a step's groups, gives it new wei
 Three ways to run beside training (`RolloutSystemConfig.mode`): `generate(rollout_id)` (sync), the same in
 `run_in_background` (one_step_off: the next step's rollout runs while this one trains), and `start_continuous` /
 `take` (async: groups are generated continuously, each admitted only while the groups ahead of it keep it within
-`max_staleness`; the trainer may take the next step's while this one trains). Every group handed to training is
-checked against `max_staleness` (trained version minus its oldest token's version): a group past it is dropped and
-its prompt goes back to the buffer.
+`max_staleness`, and none while the trainer waits on groups already started; the trainer may take the next step's
+while this one trains). Every group handed to training is checked against `max_staleness` (trained version minus its
+oldest token's version): a group past it is dropped and its prompt goes back to the buffer.
 """
 
 from __future__ import annotations
@@ -239,10 +239,19 @@ class RolloutManager:
         self.loop.run(start())
         self._producer = self.loop.submit(self._produce(self._continuous_ctx))
 
-    def _step_can_take(self) -> bool:
-        """Whether a step waits in `take` with its groups ready: it takes them before more groups start (it would
-        otherwise wait behind their requests' start-up on the loop); its take wakes the producer again."""
-        return self._taking and len(self._ready) >= self.num_groups_per_step
+    def _step_has_priority(self, num_running: int) -> bool:
+        """Whether a step waiting in `take` is owed the engines: no more groups start until it has its own.
+        - Its groups are ready: it takes them before more groups start (it would otherwise wait behind their
+          requests' start-up on the loop).
+        - Its groups are all started, and the trainer waits for them (the weights it would train are in the engines
+          already, so the step before has synced): groups started now would only slow them (their prefills join the
+          running batch, their start-up takes the loop and the engine's core).
+        While the trainer trains, a take already waiting (the next step's, in the background) does not stop the
+        producer. The take's end wakes the producer again."""
+        if not self._taking:
+            return False
+        ready, needed = len(self._ready), self.num_groups_per_step
+        return ready >= needed or (self.version >= self.consumed_steps and ready + num_running >= needed)
 
     def _admits(self, ahead: int) -> bool:
         """Whether a new group, `ahead` groups behind the next batch's start, will be trained within the bound: it
@@ -253,7 +262,7 @@ class RolloutManager:
         running: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop_producing.is_set():
             admitted = 0
-            while self._admits(len(self._ready) + len(running)) and not self._step_can_take():
+            while self._admits(len(self._ready) + len(running)) and not self._step_has_priority(len(running)):
                 for group in self.data_source.get_samples(1):
                     running[asyncio.ensure_future(generate_group(ctx, group, ctx.sampling_params))] = group
                 admitted += 1
