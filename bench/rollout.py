@@ -6,7 +6,8 @@ GRPO from it in each mode on a local Ray instance of `NUM_RAY_CPUS` CPUs: the ac
 0, one rollout engine in another on slot 1, each with one torch thread, so generation and training can run at
 the same time on two cores; the driver (router, manager, rewards) keeps one thread. As GPUs would be, the cores are
 the trainer's and the engine's own: the actor runs on core 0 (`actor.cpu_cores`), the engine on core 1
-(`rollout.cpu_cores`), and the driver pins its threads to core 1 too (what `taskset -c 1` does for a `baton run`).
+(`rollout.cpu_cores`), and the driver, with the Ray processes it starts, runs on core 1 too (what `taskset -c 1`
+does for a `baton run`: Ray's raylet, GCS and agents use about 6% of a core, none of it on the trainer's).
 Unpinned (`--no-pin`), three busy processes share two cores as the OS sees fit, and the trainer, the critical path
 of an overlapped step, is slowed by the others. Every mode trains on the same
 number of samples (steps × prompts × samples per prompt) from the same seed.
@@ -302,9 +303,9 @@ def main() -> int:
           f"{f' (actor on core {TRAINER_CORES}, engine and driver on {ENGINE_CORES})' if args.pin else ', unpinned'}; "
           f"load average {load_start}", flush=True)
     runs = []
+    if args.pin:  # the driver, and the Ray processes it starts (they inherit it); the actor's worker moves to its own
+        pin_to_cores(ENGINE_CORES)
     with local_ray(NUM_RAY_CPUS):
-        if args.pin:  # every thread of the driver, Ray's included (Ray's own processes stay where the OS puts them)
-            pin_to_cores(ENGINE_CORES)
         for index, seed in enumerate(args.seeds):
             # Each seed runs the modes in another order (rotated by one), so that no mode always has the same
             # place in the hour: this machine's speed drifts by up to a third from one minute to the next.
