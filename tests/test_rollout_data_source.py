@@ -58,6 +58,8 @@ def test_fresh_groups_follow_the_sampler(train, tokenizer):
     seeds = [s.seed for g in groups for s in g]
     assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**62 for x in seeds)
     assert groups[0][0].metadata is not groups[0][1].metadata
+    answers = [s.metadata["teacher_answers"] for s in groups[0]]
+    assert isinstance(answers[0], list) and answers[0] is not answers[1]  # a mutable field is each sample's own
 
 
 def test_seeds_depend_on_the_sample_only():
