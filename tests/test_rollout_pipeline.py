@@ -413,7 +413,7 @@ def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_
         waiting = threading.Thread(target=lambda: second.append(manager.take()))
         waiting.start()
         deadline = time.monotonic() + 30
-        while not manager._taking and time.monotonic() < deadline:
+        while not (manager._taking and len(GROUPS_STARTED) == 8) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert manager._taking and len(GROUPS_STARTED) == 8  # step 2's groups are started and held
         manager.update_weights(pipeline.actor, version=1)  # step 1 synced: step 3's groups are admissible now
