@@ -5,9 +5,11 @@ rollouts resumed over two weight versions, and eval per dataset."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -20,6 +22,7 @@ from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.functions import generate_rollout, generate_sample
 from baton.strategy import SamplingParams, StrategyConfig
 from baton.workers.weight_sync import WeightSyncError
+from test_rollout_router import wait_until
 
 THIS = "test_rollout_pipeline"  # tests/ is on sys.path: functions here are importable by path
 
@@ -264,8 +267,6 @@ def test_engines_sharing_the_actors_device_sleep_while_it_trains(tmp_path, capfd
 
 
 async def never_returns(args, sample, params):
-    import asyncio
-
     await asyncio.sleep(3600)
 
 
@@ -279,8 +280,6 @@ def test_a_rollout_that_gets_no_samples_stops_with_the_silent_stage(tmp_path):
 
 
 async def rollout_that_never_returns(args, rollout_id, data_source, evaluation=False):
-    import asyncio
-
     await asyncio.sleep(3600)
 
 
@@ -383,8 +382,6 @@ GROUPS_STARTED: list[int] = []  # group indices, in the order their first sample
 
 
 async def held_after_the_first_step(args, sample, params):
-    import asyncio
-
     if sample.group_index not in GROUPS_STARTED:
         GROUPS_STARTED.append(sample.group_index)
     if GROUPS_STARTED.index(sample.group_index) >= args.num_groups_per_step:
@@ -398,8 +395,6 @@ async def held_after_the_first_step(args, sample, params):
 def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_path):
     """Once the trainer has synced and waits for its step's groups, all started, the producer starts no more
     until the step has them (they would only slow that step's); then it goes on."""
-    import time
-
     GROUPS_STARTED.clear()
     HELD.set()
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=3, engines=1, mode="async", max_staleness=1,
@@ -412,20 +407,15 @@ def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_
         second: list = []
         waiting = threading.Thread(target=lambda: second.append(manager.take()))
         waiting.start()
-        deadline = time.monotonic() + 30
-        while not (manager._taking and len(GROUPS_STARTED) == 8) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert manager._taking and len(GROUPS_STARTED) == 8  # step 2's groups are started and held
+        wait_until(lambda: manager._taking and len(GROUPS_STARTED) == 8, "step 2's groups started and held, and its "
+                   "take waiting", timeout_s=30)
         manager.update_weights(pipeline.actor, version=1)  # step 1 synced: step 3's groups are admissible now
         time.sleep(0.5)
         assert len(GROUPS_STARTED) == 8, "groups started while the trainer waited on the ones it needs"
         HELD.clear()
         waiting.join(timeout=60)
         assert not waiting.is_alive() and len(second[0][0]) == 4
-        deadline = time.monotonic() + 30
-        while len(GROUPS_STARTED) < 12 and time.monotonic() < deadline:  # then the producer goes on
-            time.sleep(0.01)
-        assert len(GROUPS_STARTED) == 12
+        wait_until(lambda: len(GROUPS_STARTED) == 12, "step 3's groups started once step 2 had its own", timeout_s=30)
     finally:
         HELD.clear()
         manager.stop_continuous()
