@@ -20,7 +20,8 @@ from baton.distributed.backend import Source, get_backend
 from baton.distributed.dispatch import Execute, Layout, MethodSpec, check_data_output, get_dispatch_mode, registered_methods
 from baton.distributed.errors import ClusterStoppedError, LayoutError
 from baton.distributed.health import HealthMonitor
-from baton.distributed.future import REMOTE_DATA, CallFuture, DataProtoFuture
+from baton.distributed.future import CallFuture, DataProtoFuture
+from baton.distributed.remote import RemoteData
 from baton.distributed.resource import Placement, ResourceManager, ResourcePool
 from baton.distributed.worker import Worker, WorkerContext
 
@@ -430,7 +431,7 @@ def _pad_for_dp(args: tuple, kwargs: dict, dp_size: int) -> tuple[tuple, dict, i
             padded, num = value.padded(dp_size)
             pads.add(num)
             return padded
-        if isinstance(value, REMOTE_DATA):
+        if isinstance(value, RemoteData):
             padded, num = value.padded(dp_size)
             pads.add(num)
             return padded
@@ -445,7 +446,7 @@ def _pad_for_dp(args: tuple, kwargs: dict, dp_size: int) -> tuple[tuple, dict, i
 
 def _rows_in(args: tuple, kwargs: dict) -> int | None:
     """Rows of a worker's first DataProto (or future) argument; None when it has none."""
-    return next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, *REMOTE_DATA))), None)
+    return next((len(v) for v in [*args, *kwargs.values()] if isinstance(v, (DataProto, RemoteData))), None)
 
 
 def _check_rows_kept(cluster: str, method: str, inputs: list[tuple[tuple, dict]], outputs: list) -> None:

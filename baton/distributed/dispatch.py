@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from baton.data import DataProto
+from baton.distributed.remote import RemoteData
 from baton.distributed.worker import RankInfo
 
 
@@ -231,9 +232,7 @@ def _all_to_all(layout: Layout, args: tuple, kwargs: dict) -> PerWorkerArgs:
 
 
 def _is_data(value) -> bool:
-    from baton.distributed.future import REMOTE_DATA
-
-    return isinstance(value, (DataProto, *REMOTE_DATA))
+    return isinstance(value, (DataProto, RemoteData))
 
 
 def split_dp_args(layout: Layout, args: tuple, kwargs: dict, *, first_mp_rank_only: bool) -> PerWorkerArgs:

@@ -14,12 +14,13 @@ from typing import Any, Callable, Sequence
 from baton.data import DataProto
 from baton.distributed.backend import Source, get_backend
 from baton.distributed.health import HealthMonitor
+from baton.distributed.remote import RemoteData
 
 DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass
-class DataProtoFuture:
+class DataProtoFuture(RemoteData):
     """Rows of a DataProto held remotely, in order.
 
     refs: one object ref per shard, in row order.
@@ -172,7 +173,7 @@ def materialize_concat(items: Sequence["DataProtoFuture | DataProto"], timeout_s
 
 
 @dataclass
-class JoinedData:
+class JoinedData(RemoteData):
     """The columns of several DataProtos and `DataProtoFuture`s over the same rows, joined only where they are
     fetched: a DAG node's input is its upstream nodes' outputs, passed on without the driver holding them.
 
@@ -229,7 +230,7 @@ class JoinedData:
 
 
 @dataclass
-class RenamedData:
+class RenamedData(RemoteData):
     """The rows of `source` (a future) with only the tensor columns in `names`, renamed old → new, applied where
     the data is fetched (e.g. an actor's `log_probs` as a DAG node's `old_log_probs`)."""
 
@@ -250,5 +251,3 @@ class RenamedData:
         padded, num = self.source.padded(divisor)
         return RenamedData(padded, self.names), num
 
-
-REMOTE_DATA = (DataProtoFuture, JoinedData, RenamedData)  # what a worker call fetches (host._materialize) and splits by rows

@@ -11,6 +11,7 @@ import os
 
 from baton.distributed.dispatch import check_data_output
 from baton.distributed.heap import freeze_heap
+from baton.distributed.remote import RemoteData
 from baton.distributed.worker import (RankInfo, WorkerContext, find_free_port, node_ip_address, pin_to_cores,
                                       usable_cpu_count)
 
@@ -94,6 +95,4 @@ class WorkerHost:
 
 
 def _materialize(value):
-    from baton.distributed.future import REMOTE_DATA
-
-    return value.get() if isinstance(value, REMOTE_DATA) else value
+    return value.get() if isinstance(value, RemoteData) else value
