@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baton import DataProto, Dispatch, Worker, register
+from baton.data import DataProto
+from baton.distributed import Dispatch, Worker, register
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import TrainerConfig, WorkerSettings
 
