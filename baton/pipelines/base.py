@@ -33,7 +33,8 @@ from baton.distributed.heap import frozen_heap
 from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import TrainerConfig, WorkerSettings
 from baton.pipelines.data import load_datasets
-from baton.pipelines.preflight import check_devices_per_worker, check_roles, model_roles
+from baton.pipelines.preflight import check_devices_per_worker, check_roles
+from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
 from baton.tracking import Tracker, plot_run
 from baton.workers.weight_sync import ModelUpdatePair
 
@@ -412,26 +413,6 @@ def time_sharing_roles(devices: dict[str, set[int]], turns: Sequence[Sequence[st
     turns = [[name for name in turn if name in devices] for turn in turns]
     return [name for i, turn in enumerate(turns) for name in turn if name not in never_offloaded
             and any(devices[name] & devices[other] for j, others in enumerate(turns) if j != i for other in others)]
-
-
-def device_roles(config) -> dict[str, WorkerSettings]:
-    return {name: value for name, value in vars(config).items()
-            if isinstance(value, WorkerSettings) and value.num_devices_per_worker > 0}
-
-
-def devices_needed(config, num_nodes: int = 1) -> int:
-    """Device slots per node that the config's roles ask for: (highest device id + 1) over the nodes; at least 1."""
-    total = 1
-    for name, role in device_roles(config).items():
-        count = role.num_workers(name) * role.num_devices_per_worker
-        total = max(total, max(role.device_mapping) + 1 if role.device_mapping else count)
-    return -(-total // num_nodes)
-
-
-def describe_roles(config) -> str:
-    return ", ".join(f"{name}: {role.num_workers(name)} worker(s) × {role.num_devices_per_worker} device(s)"
-                     + (f" on devices {role.device_mapping}" if role.device_mapping else "")
-                     for name, role in device_roles(config).items())
 
 
 def checkpoint_path(run_dir: str, step: int) -> str:

@@ -13,7 +13,8 @@ import sys
 
 from baton.config import ConfigError
 from baton.distributed.worker import usable_cpu_count
-from baton.pipelines.config import MODEL_ROLES, RoleConfig, TrainerConfig, WorkerSettings
+from baton.pipelines.config import RoleConfig, TrainerConfig, WorkerSettings
+from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
 from baton.strategy import StrategyConfig, strategy_class
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
@@ -64,10 +65,6 @@ def check_devices_per_worker(roles: dict[str, RoleConfig], has_gpus: bool) -> No
                 f"{name}.num_devices_per_worker=1 with {name}.world_size set to the GPU count (fsdp2 shards one model "
                 f"over its workers); several GPUs per worker are for {', '.join(MULTI_GPU_STRATEGIES)} (tensor "
                 "parallel) rollouts")
-
-
-def model_roles(config) -> dict[str, RoleConfig]:
-    return {name: role for name in MODEL_ROLES if isinstance(role := getattr(config, name, None), RoleConfig)}
 
 
 def check_strategy(key: str, strategy: StrategyConfig) -> None:
@@ -128,8 +125,6 @@ def check_machine(config, trainer: TrainerConfig) -> None:
     """On a local Ray instance (the one the pipeline starts, or one already running): the roles' devices per worker
     suit their strategies (`check_devices_per_worker`), and their device slots and CPU-only workers fit. A cluster
     joined by address is checked by the pipeline once the resource manager has reserved on it."""
-    from baton.pipelines.base import describe_roles, devices_needed
-
     machine = local_machine(trainer)
     if machine is None:
         return
