@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from baton.data import DataProto
 from baton.engines import Engine, GenerationRequest, GenerationResult, HFEngine
+from baton.engines.batch import generate_batch
+from baton.engines.loop import LoopThread
 from baton.models import build_model
 from baton.models.tokenizer import CHAR_VOCAB_SIZE
 from baton.strategy import SamplingParams, StrategyConfig
@@ -179,6 +182,47 @@ def test_a_request_samples_the_same_alone_or_beside_others(strategy, prompt_ids)
         assert_same(result, (list(row.response_ids), list(row.log_probs), row.finish_reason))
     # The first and last requests share a prompt (and their prefill) but not a seed: different samples.
     assert results[0].response_ids != results[5].response_ids
+
+
+def test_the_batch_generate_over_the_hf_engine_is_the_hf_strategys_generate(strategy, prompt_ids):
+    """`generate_batch` (the batch rollout over any engine) on the hf engine: the hf strategy's output, greedy and
+    sampled, column for column; an unseeded call draws its row seeds from the generator it is given."""
+    pad = strategy.tokenizer.pad_token_id
+    width = max(map(len, prompt_ids))
+    prompts = DataProto.from_dict(
+        {"input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids]),
+         "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])},
+        {"uid": np.array([f"p{i}" for i in range(len(prompt_ids))], dtype=object)})
+    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=16, stop_token_ids=(NEVER, 6), seed=123)
+    engine, runner = make_engine(strategy), LoopThread("test-batch")
+
+    def generate(params: SamplingParams, generator: torch.Generator | None = None) -> DataProto:
+        return generate_batch(engine, runner, prompts, params, generator=generator or torch.Generator(),
+                              pad_token_id=pad, call_id="call")
+
+    try:
+        for params in (dataclasses.replace(GREEDY, n=2), sampled):
+            ours, theirs = generate(params), strategy.generate(prompts, params)
+            for key in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+                assert torch.equal(ours.batch[key], theirs.batch[key]), key
+            torch.testing.assert_close(ours.batch["rollout_log_probs"], theirs.batch["rollout_log_probs"], atol=1e-5,
+                                       rtol=0)
+            for key in ("uid", "finish_reason"):
+                assert list(ours.non_tensor_batch[key]) == list(theirs.non_tensor_batch[key])
+            assert ours.meta_info["temperature"] == params.temperature
+        assert set(ours.non_tensor_batch["finish_reason"]) == {"stop", "length"}
+        generator = torch.Generator().manual_seed(123)
+        unseeded = dataclasses.replace(sampled, seed=None)
+        assert torch.equal(generate(unseeded, generator).batch["responses"], ours.batch["responses"])
+        assert not torch.equal(generate(unseeded, generator).batch["responses"], ours.batch["responses"])  # advanced
+        right_padded = DataProto.from_dict({"input_ids": torch.tensor([[5, 6, pad]]),
+                                            "attention_mask": torch.tensor([[1, 1, 0]])})
+        with pytest.raises(ValueError, match="LEFT-padded"):
+            generate_batch(engine, runner, right_padded, GREEDY, generator=torch.Generator(), pad_token_id=pad,
+                           call_id="bad")
+    finally:
+        runner.run(engine.close())
+        runner.close()
 
 
 def test_a_stop_token_ends_the_request(strategy, prompt_ids):

@@ -76,7 +76,7 @@ def check_strategy(key: str, strategy: StrategyConfig) -> None:
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{key}.name: {e}") from e
     if strategy.name == "vllm":  # its module imports without vLLM, which the strategy needs once built
-        from baton.strategy.vllm import require_vllm
+        from baton.engines.vllm_rollout import require_vllm
 
         try:
             require_vllm()

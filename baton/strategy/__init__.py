@@ -21,7 +21,9 @@ STRATEGIES: dict[str, str] = {
     "hf": "baton.strategy.hf:HFStrategy",
     "fsdp2": "baton.strategy.fsdp2:Fsdp2Strategy",
     "mock": "baton.strategy.mock:MockStrategy",
-    "vllm": "baton.strategy.vllm:VLLMStrategy",  # a rollout only; needs vLLM (scripts/setup.sh --vllm)
+    # A rollout only, on the vllm engine, so it lives in baton.engines (this layer imports no engine); needs vLLM
+    # (scripts/setup.sh --vllm).
+    "vllm": "baton.engines.vllm_rollout:VLLMRollout",
 }
 
 

@@ -1,5 +1,7 @@
-"""The `vllm` strategy: a rollout on vLLM. The batch `generate` of today's pipelines over the `vllm` engine, one request
-per sample, and the log-probs of given responses (the sync probe) through vLLM's prompt log-probs.
+"""The `vllm` rollout (`strategy.name: vllm`): the batch pipelines' rollout on the `vllm` engine. Its `generate` is the
+batch adapter over any engine (`baton.engines.batch`); the log-probs of given responses (the sync probe) come from
+vLLM's prompt log-probs. It lives with the engines, not with the strategies it stands in for, so that the strategy
+layer imports no engine; the strategy registry names it by import path.
 
 A rollout is asked for what `RolloutWorker` and `ModelWorker` call on it: `generate`, `forward` (through
 `compute_log_probs`: the weight-sync probe), `import_weights` (the sync), `offload` / `reload`, and the sampling
@@ -8,13 +10,11 @@ generator's state (`generator`, for exact resume). vLLM trains nothing and its w
 a call to one raises an AttributeError that says where to do it instead (the config checks refuse `vllm` for the
 actor, critic and reference roles before any worker starts).
 
-Import this module anywhere; vLLM itself is imported when a `VLLMStrategy` is built (`scripts/setup.sh --vllm`).
+Import this module anywhere; vLLM itself is imported when a `VLLMRollout` is built (`scripts/setup.sh --vllm`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import importlib.util
 import itertools
 from typing import Iterable
@@ -22,9 +22,10 @@ from typing import Iterable
 import torch
 
 from baton.data import DataProto
+from baton.engines.batch import generate_batch
+from baton.engines.loop import LoopThread
 from baton.models import load_tokenizer
 from baton.strategy.base import SamplingParams, StrategyConfig
-from baton.strategy.sampling import generation_output, padded_responses, row_seeds
 
 INSTALL_HINT = "install it with scripts/setup.sh --vllm"
 
@@ -45,12 +46,11 @@ def require_vllm() -> None:
         raise ImportError(f"the 'vllm' strategy needs vLLM, which is not installed; {INSTALL_HINT}")
 
 
-class VLLMStrategy:
+class VLLMRollout:
     """A rollout on a `VLLMEngine` (vLLM in this process; see `baton.engines.vllm`); implements `RolloutStrategy`.
 
-    generate: one engine request per sample (`params.n` consecutive rows per prompt), all in flight at once, so vLLM
-        batches them continuously; results are gathered in row order into the generate() layout (`baton.strategy.
-        base`) by `generation_output`, as the hf strategy's. Request `k` of a call samples with its own seed: the
+    generate: `generate_batch` over the engine: one request per sample (`params.n` consecutive rows per prompt), all
+        in flight at once, so vLLM batches them continuously. Request `k` of a call samples with its own seed: the
         k-th draw of a generator seeded with `params.seed`, or of `self.generator` (seeded by `config.seed`, saved
         with checkpoints by the rollout worker) when `params.seed` is None. top-k / top-p with temperature > 0 are
         refused by the engine (vLLM reports the filtered distribution's log-probs).
@@ -70,7 +70,6 @@ class VLLMStrategy:
 
     def __init__(self, config: StrategyConfig, **engine_kwargs):
         require_vllm()
-        from baton.engines.loop import LoopThread
         from baton.engines.vllm import VLLMEngine
 
         if config.kind != "causal_lm":
@@ -101,31 +100,10 @@ class VLLMStrategy:
     # --- generation ---------------------------------------------------------------------------------
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
-        from baton.engines.protocol import GenerationRequest
-
         self._check_awake("generate")
-        input_ids, attention_mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu()
-        if len(prompts) and bool((attention_mask[:, -1] == 0).any()):
-            raise ValueError("generate needs LEFT-padded prompts (the last column must be real tokens); "
-                             "tokenize with padding_side='left'")
-        num_rows = len(prompts) * params.n
-        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        seeds = row_seeds(generator, num_rows)
-        call = next(self._request_ids)
-        requests = [
-            GenerationRequest(f"generate-{call}-{row}", input_ids[row // params.n][attention_mask[row // params.n].bool()].tolist(),
-                              dataclasses.replace(params, n=1, seed=seed))
-            for row, seed in enumerate(seeds)
-        ]
-        results = self.runner.run(self._generate_all(requests), timeout_s=None)  # a worker call: call_timeout_s
-        if any(result.finish_reason == "abort" for result in results):
-            raise RuntimeError("the vllm engine aborted requests of a generate call (was it closed?)")
-        out = padded_responses([r.response_ids for r in results], [r.log_probs for r in results],
-                               [r.finish_reason == "stop" for r in results], self.tokenizer.pad_token_id)
-        return generation_output(prompts, params, **out)
-
-    async def _generate_all(self, requests: list) -> list:
-        return await asyncio.gather(*(self.engine.generate(request) for request in requests))
+        return generate_batch(self.engine, self.runner, prompts, params, generator=self.generator,
+                              pad_token_id=self.tokenizer.pad_token_id,
+                              call_id=f"generate-{next(self._request_ids)}")  # a worker call: call_timeout_s bounds it
 
     # --- log-probs of given responses ---------------------------------------------------------------
 
