@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from baton.datasets import PromptDataset, collate_prompts, collate_sft
 from baton.models import build_model, load_tokenizer, save_tokenizer
 from baton.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
-from baton.pipelines.losses import SFTLoss
+from baton.rl.losses import SFTLoss
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 from baton.strategy.hf import HFStrategy
 

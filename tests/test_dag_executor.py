@@ -93,7 +93,7 @@ def test_compute_slots_give_parallel_nodes_different_workers():
 def test_a_step_merges_the_branches_and_sets_every_status(make_manager, backend):
     manager = make_manager(backend, num_devices_per_node=1)
     graph = branches()
-    executor = SingleControllerExecutor(graph, pipeline=None, compute=compute_clusters(manager, 2),
+    executor = SingleControllerExecutor(graph, context=None, compute=compute_clusters(manager, 2),
                                         parallel=backend == "ray")
     metrics = executor.run_step(1)
     x = torch.arange(8, dtype=torch.float32)
@@ -106,7 +106,7 @@ def test_a_step_merges_the_branches_and_sets_every_status(make_manager, backend)
 @pytest.mark.ray
 def test_on_ray_the_driver_never_fetches_a_nodes_data(make_manager, monkeypatch):
     manager = make_manager("ray", num_devices_per_node=1)
-    executor = SingleControllerExecutor(branches(), pipeline=None, compute=compute_clusters(manager, 2))
+    executor = SingleControllerExecutor(branches(), context=None, compute=compute_clusters(manager, 2))
 
     def refuse(self, timeout_s=None):
         raise AssertionError(f"the driver fetched {type(self).__name__} data")
@@ -119,7 +119,7 @@ def test_on_ray_the_driver_never_fetches_a_nodes_data(make_manager, monkeypatch)
 @pytest.mark.ray
 def test_parallel_branches_run_at_the_same_time_on_their_workers(make_manager):
     manager = make_manager("ray", num_devices_per_node=1)
-    executor = SingleControllerExecutor(branches(sleep_s=1.0), pipeline=None, compute=compute_clusters(manager, 2))
+    executor = SingleControllerExecutor(branches(sleep_s=1.0), context=None, compute=compute_clusters(manager, 2))
     metrics = executor.run_step(1)
     # Observed on the workers' clocks: each branch started before the other ended.
     assert metrics["a/start"] < metrics["b/end"] and metrics["b/start"] < metrics["a/end"]
@@ -128,7 +128,7 @@ def test_parallel_branches_run_at_the_same_time_on_their_workers(make_manager):
 def test_a_failing_node_fails_its_dependants_and_names_node_rank_and_traceback(make_manager, backend):
     manager = make_manager(backend, num_devices_per_node=1)
     graph = branches(second=f"{HERE}:fails")
-    executor = SingleControllerExecutor(graph, pipeline=None, compute=compute_clusters(manager, 2),
+    executor = SingleControllerExecutor(graph, context=None, compute=compute_clusters(manager, 2),
                                         parallel=backend == "ray")
     with pytest.raises(DAGExecutionError) as caught:
         executor.run_step(3)
@@ -147,7 +147,7 @@ def test_a_killed_worker_fails_the_step_within_seconds(make_manager):
     manager = make_manager("ray", num_devices_per_node=1)
     clusters = compute_clusters(manager, 2, health_check_interval_s=0.5, heartbeat_timeout_s=5.0)
     graph = branches(second=f"{HERE}:dies")
-    executor = SingleControllerExecutor(graph, pipeline=None, compute=clusters)
+    executor = SingleControllerExecutor(graph, context=None, compute=clusters)
     start = time.monotonic()
     # Another node running on the same worker may be the call that sees the death first: then 'b' reads that the
     # cluster was stopped after it.
@@ -165,6 +165,6 @@ def test_a_controller_node_that_returns_the_wrong_type_is_named(make_manager):
 
     graph = (Workflow("w").add_node("data", "data_load", executable=load)
              .add_node("bad", "custom", dependencies=["data"], executable=wrong).build())
-    executor = SingleControllerExecutor(graph, pipeline=None, compute=[], parallel=False)
+    executor = SingleControllerExecutor(graph, context=None, compute=[], parallel=False)
     with pytest.raises(DAGExecutionError, match="returned dict; a custom node's function returns a baton.dag.NodeOutput"):
         executor.run_step(1)

@@ -12,9 +12,9 @@ import pytest
 from baton.cli import read_prompts
 from baton.data import DataProto
 from baton.datasets import RESERVED_FIELDS, DataError, PromptDataset, collate_prompts
+from baton.datasets.load import load_datasets
 from baton.models import load_tokenizer
 from baton.pipelines.config import DataConfig
-from baton.pipelines.data import load_datasets
 from baton.rewards import RewardError
 from baton.workers import RewardWorker
 

@@ -21,7 +21,7 @@ from baton.models import load_tokenizer
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSettings
-from baton.pipelines.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
+from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
 from baton.strategy import StrategyConfig
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")

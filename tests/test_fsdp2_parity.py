@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from baton.models import build_model, load_tokenizer
 from baton.pipelines.base import run_pipeline as run
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
-from baton.pipelines.losses import SFTLoss
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.sft import SFTPipeline
+from baton.rl.losses import SFTLoss
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.fsdp2 import Fsdp2Strategy
 from baton.strategy.hf import HFStrategy

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_mixed_precision import run_on_ranks
+from test_strategy_distributed import TEXTS
 
 from baton.algorithms import agg_loss
 from baton.data import DataProto
 from baton.models import load_tokenizer
-from baton.pipelines.losses import PolicyLoss, ValueLoss
+from baton.rl.losses import PolicyLoss, ValueLoss
 from baton.strategy import OptimizerConfig, StrategyConfig, create_strategy
 from baton.strategy.fsdp2 import Fsdp2Strategy
 from baton.strategy.hf import HFStrategy
 from baton.strategy.mock import MockStrategy
 from baton.workers.weight_sync import probe_batch
-from test_mixed_precision import run_on_ranks
-from test_strategy_distributed import TEXTS
 
 RESPONSE_LENGTHS = [4, 1, 1, 2, 4, 4, 3]  # valid tokens per row; micro-batches of 2 rows hold 5, 3, 8 and 3
 POLICY_LOSS = PolicyLoss(entropy_coeff=0.01, kl_loss_coef=0.1)

@@ -22,7 +22,8 @@ from baton.pipelines.config import (AlgorithmConfig, DataConfig, RLVRConfig, Rol
                                     TrainerConfig)
 from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSettings
 from baton.pipelines.dpo import DPOConfig, DPOPipeline, PairDataConfig
-from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.rl import StaleSamplesWarning
 from baton.strategy import StrategyConfig
 from baton.workers import ActorWorker, ReferenceWorker, RolloutWorker, TeacherWorker
 

@@ -14,7 +14,8 @@ import pytest
 from baton.config import paths
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
-from baton.pipelines.rlvr import RLVRPipeline, SignalWatch, zero_std_group_fraction
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.rl import SignalWatch, zero_std_group_fraction
 from baton.strategy import StrategyConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton.data import DataProto
-from baton.pipelines.losses import SFTLoss
+from baton.rl.losses import SFTLoss
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.hf import HFStrategy
 from baton.strategy.padding import pad_responses, trim_padding

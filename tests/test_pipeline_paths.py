@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from baton.cli import resolve
 from baton.pipelines.base import checkpoint_path, run_pipeline
 from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
-from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.rl import StaleSamplesWarning
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.tracking.tracker import read_metrics
 

@@ -15,7 +15,8 @@ from baton.config import ConfigError
 from baton.data import DataProto
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig
-from baton.pipelines.rlvr import RLVRPipeline, baseline_per_row, reward_components
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.rl import baseline_per_row, reward_components
 from baton.rewards import RewardError
 from baton.strategy import SamplingParams
 from baton.workers import RewardWorker
@@ -59,20 +60,29 @@ class Captured(RLVRPipeline):
         self.prompts = super().next_prompts()
         return self.prompts
 
-    def compute_advantages(self, batch):
-        self.batch, metrics = super().compute_advantages(batch)
-        return self.batch, metrics
+    def __init__(self, config):
+        super().__init__(config)
+        compute = self.algorithm.compute_advantages
+
+        def capture(batch):
+            self.before_advantages(batch)
+            self.batch, metrics = compute(batch)
+            return self.batch, metrics
+
+        self.algorithm.compute_advantages = capture
+
+    def before_advantages(self, batch) -> None:
+        pass
 
 
 class Probed(Captured):
     """Also generates, during the step (before the update), each prompt's greedy response twice and its samples
     twice more, with settings written here, not the pipeline's."""
 
-    def compute_advantages(self, batch):
+    def before_advantages(self, batch) -> None:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.sampling.max_new_tokens, n=1)
         self.greedy = [self.rollout.generate(self.prompts, greedy) for _ in range(2)]
         self.sampled = [self.rollout.generate(self.prompts, self.config.sampling.params()) for _ in range(2)]
-        return super().compute_advantages(batch)
 
 
 def run_captured(config, cls=Captured) -> Captured:

@@ -16,7 +16,7 @@ from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import (DataConfig, RewardModelSettings, RLVRConfig, RoleConfig, SamplingConfig,
                                     TrainerConfig)
 from baton.pipelines.rlvr import RLVRPipeline
-from baton.pipelines.data import load_datasets
+from baton.datasets.load import load_datasets
 from baton.strategy import SamplingParams, StrategyConfig, create_strategy
 from baton.workers.reward_model import JudgeWorker, RewardModelWorker, first_number, last_token_values
 

@@ -17,8 +17,10 @@ from baton.config import ConfigError
 from baton.data import DataProto
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig
-from baton.pipelines.losses import PolicyLoss
-from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning, rollout_correction_settings
+from baton.rl.losses import PolicyLoss
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.rl import StaleSamplesWarning
+from baton.rl.algorithm import rollout_correction_settings
 from test_pipeline_paths import metrics_of, tiny_rlvr
 
 # Two rows; the second has one padding token, whose values (NaN included) must never matter.

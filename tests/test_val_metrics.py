@@ -20,7 +20,7 @@ from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.policy import validate
 from baton.pipelines.rlvr import RLVRPipeline
-from baton.pipelines.val_metrics import (
+from baton.rl.val_metrics import (
     expected_best,
     expected_worst,
     majority_draws,

@@ -11,10 +11,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from baton.data import DataProto
 from baton.datasets import DataError, PromptDataset, collate_prompts, collate_sft
+from baton.datasets.load import load_datasets
 from baton.models import build_char_tokenizer, build_model, load_tokenizer, save_tokenizer
 from baton.models.tokenizer import CHAR_CHAT_TEMPLATE, CHARACTERS
 from baton.pipelines.config import DataConfig
-from baton.pipelines.data import load_datasets
 from baton.workers import RewardWorker
 
 pa = pytest.importorskip("pyarrow")

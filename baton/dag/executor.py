@@ -14,17 +14,20 @@ the step raises `DAGExecutionError` naming the node, the rank and the traceback.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from baton.dag.graph import Node, NodeStatus, NodeType, TaskGraph
+from baton.dag.graph import Node, NodeStatus, NodeType, TaskGraph, WorkflowError
 from baton.data import DataProto
 from baton.distributed import CallFuture, DataProtoFuture, JoinedData, WorkerError
-from baton.distributed.future import RenamedData
 from baton.distributed.backend import Source
+from baton.distributed.future import RenamedData
+from baton.rl import RLAlgorithm
+from baton.strategy import SamplingParams
 
 Data = DataProto | DataProtoFuture | JoinedData
 
@@ -42,18 +45,69 @@ class NodeOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def _untimed(name: str):
+    return contextlib.nullcontext()
+
+
+@dataclass
+class WorkflowContext:
+    """What a workflow's nodes compute with, given by whoever runs the workflow (`DAGPipeline` on the driver, a
+    `DAGWorker` on each rank).
+
+    roles: role name → handle: a `Cluster` on the driver, a rank's own worker on a DAG worker; either takes
+        `call_async(method, *args)`, and a training role `train_step(batch, loss_fn, loss_unit)`.
+    algorithm: the run's `RLAlgorithm` (losses, estimator, KL control): the one the loop and the rollout system use.
+    sampling: the rollout's sampling parameters; baseline_sampling: ReMax's greedy ones (None: not needed).
+    next_prompts: the step's prompts (the driver's seeded sampler; on a DAG worker, its rank's rows of them).
+    sync_weights: the actor's weights into the rollout; every `sync_every_steps` steps.
+    reward_model_weight: the weight of the reward model's score in the reward (`reward_model_settings.weight`).
+    timer: `timer(name)` times a phase into `timing_s/<name>`.
+    """
+
+    roles: dict[str, Any]
+    algorithm: RLAlgorithm
+    sampling: SamplingParams
+    next_prompts: Callable[[], Any]
+    sync_weights: Callable[[], None]
+    sync_every_steps: int = 1
+    baseline_sampling: SamplingParams | None = None
+    reward_model_weight: float = 1.0
+    timer: Callable[[str], Any] = _untimed
+
+    def compute_settings(self) -> dict[str, Any]:
+        """What every COMPUTE node's config gets this step besides its own: `rl`, the algorithm as it is now (its
+        KL coefficient moves)."""
+        return {"rl": self.algorithm}
+
+
 @dataclass
 class NodeContext:
-    """What a controller-side node function gets besides its input: the node, the step, and the pipeline that
-    owns the clusters (`pipeline.actor`, `.rollout`, `.reward`, …), the config, the tokenizer and timers."""
+    """What a controller-side node function gets besides its input: the node, the step, and the workflow's context
+    (`workflow`: the roles, the algorithm, sampling, prompts, weight sync, timers)."""
 
     node: Node
     step: int
-    pipeline: Any
+    workflow: WorkflowContext | None
 
     @property
     def config(self) -> dict:
         return self.node.config
+
+    @property
+    def algorithm(self) -> RLAlgorithm:
+        return self.workflow.algorithm
+
+    def role(self, name: str, why: str = ""):
+        """The handle of role `name`; a WorkflowError naming the node (and `why` it needs the role) if the run has
+        none."""
+        handle = self.workflow.roles.get(name) if self.workflow is not None else None
+        if handle is None:
+            raise WorkflowError(f"{self.node.where} needs the {name!r} role and this run has none{why}; "
+                                "add it to the config, or remove the node")
+        return handle
+
+    def has_role(self, name: str) -> bool:
+        return self.workflow is not None and self.workflow.roles.get(name) is not None
 
 
 @dataclass
@@ -76,7 +130,7 @@ class DAGExecutionError(RuntimeError):
 
 
 class SingleControllerExecutor:
-    """Runs `graph` one step at a time for `pipeline` (see `NodeContext`).
+    """Runs `graph` one step at a time with `context` (see `WorkflowContext`; None for a graph of plain nodes).
 
     compute: the `ComputeWorker` clusters; a COMPUTE node runs on `compute[i]`, i from `compute_slots` (nodes
         that may run at the same time get different workers).
@@ -85,9 +139,9 @@ class SingleControllerExecutor:
     node_timeout_s: the longest a node may run; past it the step fails naming the node.
     """
 
-    def __init__(self, graph: TaskGraph, pipeline: Any, compute: list | None = None, *, parallel: bool = True,
-                 node_timeout_s: float = 3600.0):
-        self.graph, self.pipeline, self.compute = graph, pipeline, list(compute or [])
+    def __init__(self, graph: TaskGraph, context: WorkflowContext | None, compute: list | None = None, *,
+                 parallel: bool = True, node_timeout_s: float = 3600.0):
+        self.graph, self.context, self.compute = graph, context, list(compute or [])
         self.parallel, self.node_timeout_s = parallel, node_timeout_s
         self.compute_slots = compute_slots(graph, max(1, len(self.compute)))
         self.order = graph.topological_order()
@@ -165,7 +219,7 @@ class SingleControllerExecutor:
                 # and the data passes through as it is.
                 result = NodeOutput()
             else:
-                result = node.resolve()(NodeContext(node, step, self.pipeline), inputs)
+                result = node.resolve()(NodeContext(node, step, self.context), inputs)
                 if result is None:
                     result = NodeOutput()
                 if not isinstance(result, NodeOutput):
@@ -201,7 +255,8 @@ class SingleControllerExecutor:
             raise TypeError(f"{node.where}: a compute node runs on a worker, so its executable must be an import "
                             f"path 'package.module:function', not {node.executable!r}")
         cluster = self.compute[self.compute_slots[node.node_id]]
-        handle, num_rows, metrics = cluster.run_node(node.node_id, node.executable, inputs, node.config)
+        settings = self.context.compute_settings() if self.context is not None else {}
+        handle, num_rows, metrics = cluster.run_node(node.node_id, node.executable, inputs, {**settings, **node.config})
         data = handle if isinstance(handle, DataProto) else DataProtoFuture(
             [handle], "ray", row_ranges=[(0, num_rows)], sources=[Source(cluster.name, 0, "run_node")])
         return NodeOutput(data, metrics)

@@ -29,16 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from baton.dag.executor import DAGExecutionError, NodeContext, NodeFailure, NodeOutput
+from baton.algorithms import estimator_needs
+from baton.dag.executor import DAGExecutionError, NodeContext, NodeFailure, NodeOutput, WorkflowContext
 from baton.dag.graph import NodeStatus, NodeType, TaskGraph
 from baton.data import DataProto
 from baton.distributed import Dispatch, JoinedData, Worker, register
+from baton.rl import RLAlgorithm
+from baton.strategy import SamplingParams
+from baton.strategy.capabilities import capabilities
 
 STATUS_RANK = {NodeStatus.FAILED: 3, NodeStatus.SKIPPED: 2, NodeStatus.PENDING: 1, NodeStatus.COMPLETED: 0}
 
 
 class LocalRole:
-    """Another role's worker in this process, called as the shipped nodes call a cluster."""
+    """Another role's worker in this process, called as the shipped nodes and the algorithm call a cluster."""
 
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -46,61 +50,64 @@ class LocalRole:
     def call_async(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def compute_log_probs(self, batch: DataProto) -> DataProto:
+        return self.worker.compute_log_probs(batch)
+
+    def compute_values(self, batch: DataProto) -> DataProto:
+        return self.worker.compute_values(batch)
+
     def train_step(self, batch: DataProto, loss_fn, loss_unit: str = "token") -> list[dict]:
         return [self.worker.train_step(batch, loss_fn, loss_unit)]
 
 
 class DAGWorker(Worker):
-    """Runs `graph` on this rank's rows, a step per `run_step` call. It is the pipeline for the nodes it runs
-    (`NodeContext.pipeline`): it has the roles (`actor`, `rollout`, …) as `LocalRole`s, the config, the
-    algorithm's losses (`policy_loss`, `needs_old_log_probs`, …), `next_prompts`, `update` and `sync_weights`."""
+    """Runs `graph` on this rank's rows, a step per `run_step` call, with a `WorkflowContext` of its own: this rank's
+    roles (as `LocalRole`s), an `RLAlgorithm` built from the config (its KL coefficient set by the driver each step),
+    this rank's rows of the step's prompts and an in-process weight sync."""
 
     def __init__(self, graph: TaskGraph, config):
-        from baton.pipelines.data import load_datasets
-        from baton.pipelines.rlvr import RLVRPipeline
+        from baton.datasets import collate_prompts
+        from baton.datasets.load import load_datasets
 
         self.graph, self.config = graph, config
         self.train_data, _, self.tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
-        RLVRPipeline.build_algorithm(self, config, stale=False)  # the same losses and settings as the driver's
+        self.algorithm = RLAlgorithm(config.algorithm, config.reward_fn)  # the driver's, built from the same config
         self.settings = {"algorithm": config.algorithm, "reward_fn": config.reward_fn,
                          "tokenizer": config.actor.strategy.tokenizer}
+        self._collate = collate_prompts
         self._prompts: tuple[list[int], int] = ([], 0)
+        self._context: WorkflowContext | None = None
 
-    def _role(self, name: str) -> LocalRole | None:
-        try:
-            return LocalRole(self.colocated_worker(name))
-        except ValueError:
-            return None
-
-    actor = property(lambda self: self._role("actor"))
-    rollout = property(lambda self: self._role("rollout"))
-    reward = property(lambda self: self._role("reward"))
-    reference = property(lambda self: self._role("reference"))
-    critic = property(lambda self: self._role("critic"))
-
-    def timer(self, name: str):
-        return contextlib.nullcontext()
-
-    def update(self, role: LocalRole, batch: DataProto, loss_fn) -> dict[str, float]:
-        from baton.pipelines.rlvr import RLVRPipeline
-
-        return RLVRPipeline.update(self, role, batch, loss_fn)
+    def context(self) -> WorkflowContext:
+        """Built on first use: the fused roles exist only once every worker of the process is constructed."""
+        if self._context is None:
+            roles = {}
+            for name in ("actor", "rollout", "reward", "reference", "critic", "reward_model"):
+                try:
+                    roles[name] = LocalRole(self.colocated_worker(name))
+                except ValueError:
+                    pass  # not a role of this run
+            config = self.config
+            self._context = WorkflowContext(
+                roles, self.algorithm, config.sampling.params(), self.next_prompts, self.sync_weights,
+                sync_every_steps=config.trainer.sync_every_steps, baseline_sampling=baseline_sampling(config),
+                reward_model_weight=config.reward_model_settings.weight)
+        return self._context
 
     def next_prompts(self) -> DataProto:
         """This rank's rows of the step's prompts: the driver's indices collated as the single controller does,
         then cut as its dispatch would cut them."""
-        from baton.datasets import collate_prompts
-
         indices, uid_offset = self._prompts
-        prompts = collate_prompts(self.train_data, indices, self.tokenizer, self.config.data.max_prompt_len,
-                                  uid_offset=uid_offset)
+        prompts = self._collate(self.train_data, indices, self.tokenizer, self.config.data.max_prompt_len,
+                                uid_offset=uid_offset)
         return prompts.chunk(self.world_size)[self.rank]
 
     def sync_weights(self) -> None:
-        """The actor's weights into this rank's rollout: shared tensors where both are in-process hf models,
-        else gathered parameter by parameter (every rank takes part) and loaded."""
+        """The actor's weights into this rank's rollout: shared tensors where both backends can share them in
+        process (`Capabilities.shares_weights`: nothing is copied), else gathered parameter by parameter (every rank
+        takes part) and loaded."""
         actor, rollout = self.colocated_worker("actor").strategy, self.colocated_worker("rollout").strategy
-        if type(actor).__name__ == type(rollout).__name__ == "TorchStrategy":
+        if shares_weights(self.config.actor.strategy.name, self.config.rollout.strategy.name):
             rollout.share_weights_from(actor)
             return
         full = {}
@@ -109,10 +116,12 @@ class DAGWorker(Worker):
         rollout.import_weights([full])
 
     @register(Dispatch.ONE_TO_ALL)
-    def run_step(self, step: int, prompt_indices: list[int], uid_offset: int) -> dict[str, Any]:
+    def run_step(self, step: int, prompt_indices: list[int], uid_offset: int,
+                 algorithm_state: dict | None = None) -> dict[str, Any]:
         """One pass over the graph on this rank: {"metrics", "statuses" (node → status), "failure" (or None),
-        "times_s" (node → seconds)}."""
+        "times_s" (node → seconds)}. algorithm_state: the driver's algorithm's (its KL coefficient)."""
         self._prompts = (list(prompt_indices), uid_offset)
+        self.algorithm.load_state_dict(algorithm_state or {})
         self.graph.reset()
         outputs: dict[str, DataProto | None] = {}
         metrics: dict[str, float] = {}
@@ -148,7 +157,7 @@ class DAGWorker(Worker):
         batch = inputs.get() if isinstance(inputs, JoinedData) else inputs
         if node.node_type == NodeType.COMPUTE:
             with self._whole_batch_statistics():  # e.g. PPO's advantages, whitened over the whole batch
-                result = node.resolve()(batch, {**self.settings, **node.config})
+                result = node.resolve()(batch, {**self.settings, **self.context().compute_settings(), **node.config})
             data, node_metrics = result if isinstance(result, tuple) else (result, {})
         elif node.node_type == NodeType.BARRIER_SYNC:
             self._barrier()
@@ -156,7 +165,7 @@ class DAGWorker(Worker):
         elif node.node_type in (NodeType.PUT_TO_BUFFER, NodeType.GET_FROM_BUFFER):
             data, node_metrics = None, {}  # colocated: every node's input is already in this rank's cache
         else:
-            result = node.resolve()(NodeContext(node, step, self), batch) or NodeOutput()
+            result = node.resolve()(NodeContext(node, step, self.context()), batch) or NodeOutput()
             data, node_metrics = result.data, result.metrics
             if data is not None and not isinstance(data, DataProto):
                 data = data.get()  # e.g. RenamedData over a local DataProto
@@ -196,14 +205,15 @@ class MultiControllerExecutor:
     (`combine_rank_metrics`), their statuses merged into `graph`'s, and a failure raised as DAGExecutionError
     naming node, rank and traceback."""
 
-    def __init__(self, graph: TaskGraph, pipeline, workers):
-        self.graph, self.pipeline, self.workers = graph, pipeline, workers
+    def __init__(self, graph: TaskGraph, workers, sampler, num_prompts_per_step: int, algorithm: RLAlgorithm):
+        self.graph, self.workers, self.sampler, self.algorithm = graph, workers, sampler, algorithm
+        self.num_prompts_per_step = num_prompts_per_step
         self.times_s: dict[str, float] = {}
 
     def run_step(self, step: int) -> dict[str, float]:
-        pipeline, num_prompts = self.pipeline, self.pipeline.config.trainer.num_prompts_per_step
-        indices = [int(i) for i in pipeline.sampler.next_indices(num_prompts)]
-        results = self.workers.run_step(step, indices, pipeline.global_step * num_prompts)
+        num_prompts = self.num_prompts_per_step
+        indices = [int(i) for i in self.sampler.next_indices(num_prompts)]
+        results = self.workers.run_step(step, indices, step * num_prompts, self.algorithm.state_dict())
         for node_id, node in self.graph.nodes.items():
             worst = max((NodeStatus(r["statuses"][node_id]) for r in results), key=STATUS_RANK.__getitem__)
             node.set_status(worst)
@@ -232,3 +242,15 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = float(np.mean(values))
     return out
+
+
+def shares_weights(actor_backend: str, rollout_backend: str) -> bool:
+    """Whether a colocated actor and rollout share tensors: the same backend, one that can."""
+    return actor_backend == rollout_backend and capabilities(actor_backend).shares_weights
+
+
+def baseline_sampling(config) -> SamplingParams | None:
+    """ReMax's greedy sampling (one response per prompt), where the estimator needs a baseline rollout."""
+    if not estimator_needs(config.algorithm.adv_estimator).baseline_rollout:
+        return None
+    return SamplingParams(temperature=0.0, max_new_tokens=config.sampling.max_new_tokens, n=1)

@@ -1,9 +1,9 @@
 """The shipped node executables: the steps of RLVR (GRPO, PPO, DAPO) as workflow nodes.
 
-Controller-side nodes (`fn(ctx, batch) -> NodeOutput`) call the pipeline's clusters without fetching data;
-COMPUTE nodes (`fn(batch, config)`) run on a `ComputeWorker` with the batch fetched there. Each declares the
-columns it reads and writes. They compute what `RLVRPipeline.run()` computes, with the same functions, so a
-workflow of them trains as that loop does (`examples/dag_grpo.yaml`).
+Controller-side nodes (`fn(ctx, batch) -> NodeOutput`) call the roles of the workflow's context without fetching
+data; COMPUTE nodes (`fn(batch, config)`) run on a `ComputeWorker` with the batch fetched there. Each declares the
+columns it reads and writes. They compute with the run's `RLAlgorithm` (`ctx.algorithm`, `config["rl"]`), the
+object the loop trains with, so a workflow of them trains as `RLVRPipeline.run()` does (`examples/dag_grpo.yaml`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import functools
 import numpy as np
 
 from baton.dag.executor import NodeContext, NodeOutput
-from baton.dag.graph import WorkflowError, node_function
+from baton.dag.graph import node_function
 from baton.data import DataProto
 from baton.distributed.future import RenamedData
-from baton.pipelines.policy import reward_error_count, reward_extra_metrics
-from baton.pipelines.rlvr import _prefixed, advantage_columns, batch_metrics
+from baton.rl import add_model_scores
+from baton.rl.metrics import reward_error_count, reward_extra_metrics
 
 PROMPT_COLUMNS = ["input_ids", "attention_mask", "prompt", "uid"]
 SAMPLE_COLUMNS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
@@ -28,93 +28,98 @@ ADVANTAGE_COLUMNS = ["token_level_rewards", "advantages", "returns"]
 
 @node_function(writes=PROMPT_COLUMNS + ["ground_truth"])
 def load_prompts(ctx: NodeContext, batch) -> NodeOutput:
-    """The step's prompts from the training set (the pipeline's seeded sampler)."""
-    return NodeOutput(ctx.pipeline.next_prompts())
+    """The step's prompts from the training set (the run's seeded sampler)."""
+    return NodeOutput(ctx.workflow.next_prompts())
 
 
 @node_function(reads=["input_ids", "attention_mask"], writes=SAMPLE_COLUMNS, output="replace")
 def generate(ctx: NodeContext, batch) -> NodeOutput:
     """`sampling.num_samples_per_prompt` responses per prompt from the rollout cluster (the prompts' columns
     repeated per sample)."""
-    return NodeOutput(ctx.pipeline.rollout.call_async("generate", batch, ctx.pipeline.config.sampling.params()))
+    return NodeOutput(ctx.role("rollout").call_async("generate", batch, ctx.workflow.sampling))
 
 
 @node_function(reads=["responses", "response_mask", "ground_truth"], writes=REWARD_COLUMNS)
 def compute_reward(ctx: NodeContext, batch) -> NodeOutput:
     """`scores`, `token_level_scores` (and `reward_extra/*`) from the reward cluster, overlong penalty included."""
-    return NodeOutput(ctx.pipeline.reward.call_async("compute_rewards", batch, apply_overlong_penalty=True))
+    return NodeOutput(ctx.role("reward").call_async("compute_rewards", batch, apply_overlong_penalty=True))
 
 
 @node_function(reads=["input_ids", "attention_mask", "responses", "response_mask"], writes=["old_log_probs"])
 def old_log_probs(ctx: NodeContext, batch) -> NodeOutput:
     """The actor's log-probs before its update, where the algorithm uses them (several epochs or mini-batches,
     a KL reward, a stale rollout, a rollout correction); a single on-policy update detaches its own instead, and
-    this node then adds nothing (as `RLVRPipeline`)."""
-    if not ctx.pipeline.needs_old_log_probs:
+    this node then adds nothing (as the loop)."""
+    if not ctx.algorithm.needs_old_log_probs:
         return NodeOutput()
-    return NodeOutput(RenamedData(ctx.pipeline.actor.call_async("compute_log_probs", batch), {"log_probs": "old_log_probs"}))
+    return NodeOutput(RenamedData(ctx.role("actor").call_async("compute_log_probs", batch), {"log_probs": "old_log_probs"}))
 
 
 @node_function(reads=["input_ids", "attention_mask", "responses", "response_mask"], writes=["ref_log_probs"])
 def ref_log_probs(ctx: NodeContext, batch) -> NodeOutput:
     """The reference model's log-probs (the KL loss or the KL reward)."""
-    if ctx.pipeline.reference is None:
-        raise WorkflowError(f"{ctx.node.where} needs a reference model and the config has none; set "
-                            "algorithm.use_kl_loss or use_kl_in_reward (or `reference`), or remove the node")
-    return NodeOutput(RenamedData(ctx.pipeline.reference.call_async("compute_log_probs", batch), {"log_probs": "ref_log_probs"}))
+    reference = ctx.role("reference", " (set algorithm.use_kl_loss or use_kl_in_reward, or `reference`)")
+    return NodeOutput(RenamedData(reference.call_async("compute_log_probs", batch), {"log_probs": "ref_log_probs"}))
 
 
 @node_function(reads=["input_ids", "attention_mask", "responses", "response_mask"], writes=["values"])
 def critic_values(ctx: NodeContext, batch) -> NodeOutput:
     """The critic's value of every response token (PPO's GAE)."""
-    if ctx.pipeline.critic is None:
-        raise WorkflowError(f"{ctx.node.where} needs a critic and the config's estimator "
-                            f"{ctx.pipeline.config.algorithm.adv_estimator!r} builds none; use adv_estimator gae, or "
-                            "remove the node")
-    return NodeOutput(ctx.pipeline.critic.call_async("compute_values", batch))
+    critic = ctx.role("critic", f" (estimator {ctx.algorithm.config.adv_estimator!r} builds none; use gae)")
+    return NodeOutput(critic.call_async("compute_values", batch))
+
+
+@node_function(reads=["response_mask", "input_ids", "attention_mask", "responses"], writes=["rm_scores"])
+def reward_model_scores(ctx: NodeContext, batch) -> NodeOutput:
+    """The reward model's score of every response (`rm_scores`; a judge's metrics in its meta_info)."""
+    return NodeOutput(ctx.role("reward_model").call_async("score", batch))
+
+
+@node_function(reads=["scores", "token_level_scores", "response_mask", "rm_scores"],
+               writes=["scores", "token_level_scores", "reward_extra/reward_model"], output="replace")
+def add_reward_model_scores(batch: DataProto, config: dict):
+    """The reward model's scores, × `reward_model_settings.weight` (`config["reward_model_weight"]`), added to the
+    reward function's (as the loop does); the whole batch goes on, `rm_scores` kept."""
+    batch, metrics = add_model_scores(batch, batch, config["reward_model_weight"])
+    return batch, metrics
 
 
 @node_function(reads=["token_level_scores", "response_mask", "uid"], writes=ADVANTAGE_COLUMNS)
 def compute_advantage(batch: DataProto, config: dict):
-    """Advantages and returns by the algorithm's estimator (`config["algorithm"]`, the compute worker's), with
-    the fixed KL reward penalty where use_kl_in_reward."""
-    algo = config["algorithm"]
-    columns, metrics = advantage_columns(batch, algo, config["reward_fn"], algo.kl_reward_coef)
+    """Advantages and returns by the run's algorithm (`config["rl"]`, sent with every step: its KL coefficient is
+    this step's, adaptive or fixed)."""
+    columns, metrics = config["rl"].advantage_columns(batch)
     return DataProto.from_dict(columns), metrics
 
 
 @node_function(reads=["scores", "response_mask", "attention_mask", "finish_reason", "uid"])
 def rollout_metrics(batch: DataProto, config: dict):
-    """The step's batch metrics (`RLVRPipeline`'s): scores, lengths, stop ratio, tokens, advantages, reward errors
+    """The step's batch metrics (the loop's): scores, lengths, stop ratio, tokens, advantages, reward errors
     and the means of dict rewards' extra fields. Adds no columns."""
-    metrics = {**batch_metrics(batch, groups=config["groups"]), **reward_error_count(batch),
-               **reward_extra_metrics(batch)}
+    metrics = {**config["rl"].batch_metrics(batch), **reward_error_count(batch), **reward_extra_metrics(batch)}
     return DataProto(), metrics
 
 
 @node_function(reads=["advantages", "returns", "response_mask"])
 def train_critic(ctx: NodeContext, batch) -> NodeOutput:
-    pipeline = ctx.pipeline
-    with pipeline.timer("update_critic"):
-        metrics = pipeline.update(pipeline.critic, batch, pipeline.value_loss)
-    return NodeOutput(metrics=_prefixed(metrics, "critic/"))
+    """The critic's update by the value loss."""
+    with ctx.workflow.timer("update_critic"):
+        return NodeOutput(metrics=ctx.algorithm.update_critic(ctx.role("critic"), batch))
 
 
 @node_function(reads=["advantages", "response_mask", "input_ids", "attention_mask"])
 def train_actor(ctx: NodeContext, batch) -> NodeOutput:
     """The actor's update (num_ppo_epochs × num_mini_batches_per_step train steps) by the policy loss."""
-    pipeline = ctx.pipeline
-    with pipeline.timer("update_actor"):
-        metrics = pipeline.update(pipeline.actor, batch, pipeline.policy_loss)
-    return NodeOutput(metrics=_prefixed(metrics, "actor/"))
+    with ctx.workflow.timer("update_actor"):
+        return NodeOutput(metrics=ctx.algorithm.update_actor(ctx.role("actor"), batch))
 
 
 @node_function()
 def sync_weights(ctx: NodeContext, batch) -> NodeOutput:
     """The actor's weights to the rollout, every `trainer.sync_every_steps` steps."""
-    if ctx.step % ctx.pipeline.config.trainer.sync_every_steps == 0:
-        with ctx.pipeline.timer("sync"):
-            ctx.pipeline.sync_weights()
+    if ctx.step % ctx.workflow.sync_every_steps == 0:
+        with ctx.workflow.timer("sync"):
+            ctx.workflow.sync_weights()
     return NodeOutput()
 
 
@@ -130,8 +135,6 @@ def keep_informative_groups(batch: DataProto, config: dict):
     metrics = {"dynamic_sampling/kept_groups": len(keep_uids), "dynamic_sampling/dropped_groups":
                num_groups - len(keep_uids), "dynamic_sampling/kept_all_for_lack": float(not keep_uids)}
     return batch[rows], metrics
-
-
 
 
 @node_function(reads=["responses", "response_mask", "ground_truth"], writes=lambda config: [config["column"]])

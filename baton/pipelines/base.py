@@ -32,7 +32,7 @@ from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec,
 from baton.distributed.heap import frozen_heap
 from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import TrainerConfig, WorkerSettings
-from baton.pipelines.data import load_datasets
+from baton.datasets.load import load_datasets
 from baton.pipelines.preflight import check_devices_per_worker, check_roles
 from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
 from baton.tracking import Tracker, plot_run

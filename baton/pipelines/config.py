@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from dataclasses import dataclass, field
 
-from baton.config import ConfigError, find_file
+from baton.config import ConfigError
+from baton.datasets.config import DataConfig
 from baton.distributed import WorkerConfig
+from baton.rl.config import AlgorithmConfig, KLControlConfig, check_choice
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 
 # "policy": actor + rollout fused
@@ -118,48 +119,6 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class DataConfig:
-    """Prompts: the built-in arithmetic task, or jsonl/parquet files (`train_path`, `val_path`)."""
-
-    task: str = "arithmetic"  # "arithmetic" or "files"
-    train_path: str | None = None
-    val_path: str | None = None
-    # A field name, or a dotted path into nested objects (verl: answer_key: reward_model.ground_truth); a top-level
-    # field named with the dots wins. The prompt is text or chat messages [{"role", "content"}, ...], rendered by the
-    # tokenizer's chat template when the data is loaded.
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"  # the ground truth the reward checks
-    response_key: str | None = None  # the field SFT trains on; None: `sft_response_key`
-    max_operand: int = 30
-    ops: str = "+"
-    num_val_examples: int = 200
-    teacher_error: float = 0.0  # arithmetic: the share of the teacher's demonstrations of a carry that drop it
-    max_prompt_len: int = 64
-    # A prompt longer than max_prompt_len tokens when the data is loaded: "error" names it; "filter" drops it
-    # (and says how many it dropped). verl's filter_overlong_prompts.
-    overlong_prompts: str = "error"
-    seed: int = 0
-
-    def __post_init__(self):
-        from baton.datasets import OVERLONG_PROMPTS
-
-        if self.task not in ("arithmetic", "files"):
-            raise ValueError(f"data.task {self.task!r} is not one of 'arithmetic', 'files'")
-        if self.overlong_prompts not in OVERLONG_PROMPTS:
-            raise ValueError(f"data.overlong_prompts {self.overlong_prompts!r} is not one of {OVERLONG_PROMPTS}")
-        if self.task == "files" and not self.train_path:
-            raise ValueError("data.task 'files' needs data.train_path (a .jsonl or .parquet file)")
-        # Found files are kept as absolute paths, so the run directory's config.yaml works from anywhere.
-        self.train_path, self.val_path = _absolute_if_found(self.train_path), _absolute_if_found(self.val_path)
-
-    @property
-    def sft_response_key(self) -> str:
-        """The field SFT trains on: `response_key`; unset, the arithmetic task's teacher demonstrations
-        (`teacher_answers`, the answer itself when teacher_error is 0) or the files' `answer_key`."""
-        return self.response_key or ("teacher_answers" if self.task == "arithmetic" else self.answer_key)
-
-
-@dataclass
 class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
@@ -171,61 +130,6 @@ class SamplingConfig:
         """These settings as the strategies' `SamplingParams` (seed None: the rollout's own generator)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_new_tokens=self.max_new_tokens, n=self.num_samples_per_prompt, seed=seed)
-
-
-@dataclass
-class KLControlConfig:
-    """The KL-in-reward coefficient: "fixed" at `algorithm.kl_reward_coef`, or "adaptive" (verl's
-    AdaptiveKLController: moved each step towards `target_kl` over `horizon` samples)."""
-
-    type: str = "fixed"
-    target_kl: float = 0.1
-    horizon: int = 10000
-
-
-@dataclass
-class AlgorithmConfig:
-    """verl's algorithm settings, by verl's names. `policy_loss` picks a loss from baton.algorithms.POLICY_LOSSES;
-    the settings after it are passed to the losses that take them (`policy_loss_params`)."""
-
-    adv_estimator: str = "grpo"  # a name in baton.algorithms.ADV_ESTIMATORS
-    norm_adv_by_std: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
-    policy_loss: str = "vanilla"  # PPO clip; gspo, cispo, gpg, clip_cov, kl_cov
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    ppo_kl_coef: float = 1.0
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor (Dr.GRPO); None: the response length
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_estimator: str = "k3"
-    use_kl_in_reward: bool = False
-    kl_reward_coef: float = 0.001
-    kl_reward_estimator: str = "k1"
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    cliprange_value: float = 0.5
-    num_ppo_epochs: int = 1
-    num_mini_batches_per_step: int = 1
-    # An estimator that takes reward components (GDPO): the reward function's dict fields that are its components,
-    # and their weights (None: 1 each). Unset: the reward is the one component.
-    gdpo_reward_keys: list[str] | None = None
-    gdpo_reward_weights: list[float] | None = None
-    # Off-policy correction of the policy loss by the rollout engine's log-probs (a name in
-    # baton.algorithms.ROLLOUT_CORRECTIONS): none; token_tis / seq_tis (weights capped at rollout_is_cap);
-    # token_mask / seq_mask / geo_mask (weight 0 outside [rollout_mask_low, rollout_mask_high]); decoupled (AReaL:
-    # weight proximal/behaviour, tokens above rollout_is_cap dropped). Any but none computes the old log-probs.
-    rollout_correction: str = "none"
-    rollout_is_cap: float | None = 2.0  # None: uncapped
-    rollout_mask_low: float = 0.5
-    rollout_mask_high: float = 2.0
 
 
 @dataclass
@@ -332,44 +236,9 @@ class RLVRConfig:
 
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
-        from baton.algorithms import (ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_UNITS, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
-                                      estimator_needs, policy_loss_params)
-
         algo, trainer, num_samples = self.algorithm, self.trainer, self.sampling.num_samples_per_prompt
         _check_data(self.data)
-        _check_choice("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
-        _check_choice("algorithm.loss_agg_mode", algo.loss_agg_mode, LOSS_AGG_UNITS)
-        _check_choice("algorithm.kl_loss_estimator", algo.kl_loss_estimator, KL_ESTIMATORS)
-        _check_choice("algorithm.kl_reward_estimator", algo.kl_reward_estimator, KL_ESTIMATORS)
-        _check_choice("algorithm.policy_loss", algo.policy_loss, POLICY_LOSSES)
-        _check_choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
-        _check_choice("algorithm.rollout_correction", algo.rollout_correction, ROLLOUT_CORRECTIONS)
-        if algo.rollout_is_cap is not None and algo.rollout_is_cap < 1.0:
-            raise ConfigError(f"algorithm.rollout_is_cap={algo.rollout_is_cap} is below 1, so even on-policy tokens "
-                              "(weight 1) would be capped or dropped; use 2.0 (verl) to 10.0, or null for no cap")
-        if not 0.0 <= algo.rollout_mask_low <= 1.0 <= algo.rollout_mask_high or (
-                algo.rollout_mask_low == algo.rollout_mask_high):
-            raise ConfigError(f"algorithm.rollout_mask_low={algo.rollout_mask_low} and rollout_mask_high="
-                              f"{algo.rollout_mask_high} must satisfy 0 <= low <= 1 <= high, low < high, so that "
-                              "on-policy samples (ratio 1) are kept; e.g. 0.5 and 2.0")
-        if algo.rollout_correction != "none" and "token_weights" not in policy_loss_params(algo.policy_loss):
-            raise ConfigError(f"algorithm.policy_loss {algo.policy_loss!r} takes no token_weights, so "
-                              f"algorithm.rollout_correction {algo.rollout_correction!r} cannot weigh it; use "
-                              "rollout_correction: none, or a loss that takes them")
-        if algo.loss_scale_factor is not None and algo.loss_agg_mode != "seq-mean-token-sum-norm":
-            raise ConfigError(f"algorithm.loss_scale_factor applies to loss_agg_mode 'seq-mean-token-sum-norm' only, "
-                              f"not {algo.loss_agg_mode!r}; unset it or change the mode")
-        needs = estimator_needs(algo.adv_estimator)
-        if needs.groups and num_samples < 2:
-            raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} compares each prompt's samples with each "
-                              f"other, but sampling.num_samples_per_prompt={num_samples}; use 2 or more (e.g. 8)")
-        if needs.critic and self.critic is None:
-            raise ConfigError(f"algorithm.adv_estimator {algo.adv_estimator!r} needs a critic: add a `critic:` section "
-                              "(strategy.kind: value), or use adv_estimator 'grpo'")
-        if not needs.critic and self.critic is not None:
-            raise ConfigError(f"a `critic:` section is set but algorithm.adv_estimator {algo.adv_estimator!r} uses no "
-                              "critic; remove the section, or use adv_estimator 'gae'")
-        _check_reward_components(algo)
+        algo.check(num_samples, has_critic=self.critic is not None)
         if self.critic is not None and self.critic.strategy.kind != "value":
             raise ConfigError(f"critic.strategy.kind is {self.critic.strategy.kind!r}; a critic predicts values: "
                               "set critic.strategy.kind: value")
@@ -449,22 +318,9 @@ class SFTConfig:
                           "with no other", stacklevel=2)
 
 
-def _absolute_if_found(path: str | None) -> str | None:
-    """`path` made absolute where `find_file` finds it (the working directory, else the config's); else as given."""
-    try:
-        return os.path.abspath(find_file(path)) if path else path
-    except FileNotFoundError:
-        return path  # reported when the data is loaded
-
-
 def _check_data(data: DataConfig | None) -> None:
     if data is None:
         raise ConfigError("no data: add a `data:` section (task: arithmetic, or task: files with train_path)")
-
-
-def _check_choice(key: str, value: str, valid) -> None:
-    if value not in valid:
-        raise ConfigError(f"{key} {value!r} is not one of {sorted(valid)}")
 
 
 def _check_vllm_sampling(sampling: SamplingConfig, key: str) -> None:
@@ -476,28 +332,6 @@ def _check_vllm_sampling(sampling: SamplingConfig, key: str) -> None:
                           f"recompute; set {key}.top_k=0 and {key}.top_p=1.0, or use rollout.strategy.name=hf")
 
 
-def _check_reward_components(algo: AlgorithmConfig) -> None:
-    from baton.algorithms import ADV_ESTIMATORS, estimator_params
-
-    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
-    if weights is not None and keys is None:
-        raise ConfigError("algorithm.gdpo_reward_weights weighs the reward components named by "
-                          "algorithm.gdpo_reward_keys, which is unset; set it too, or unset the weights")
-    if keys is None:
-        return
-    if not keys:
-        raise ConfigError("algorithm.gdpo_reward_keys is empty; list the reward function's fields that are the reward "
-                          "components, or unset it")
-    if "reward_components" not in estimator_params(algo.adv_estimator):
-        takers = sorted(n for n in ADV_ESTIMATORS if "reward_components" in estimator_params(n))
-        raise ConfigError(f"algorithm.gdpo_reward_keys is set, but algorithm.adv_estimator {algo.adv_estimator!r} "
-                          f"takes no reward components; use an estimator that does ({', '.join(takers)}), or unset "
-                          "gdpo_reward_keys")
-    if weights is not None and len(weights) != len(keys):
-        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} entries for the {len(keys)} "
-                          f"gdpo_reward_keys {keys}; give one weight per key")
-
-
 def _check_reward_fn(spec: str | dict[str, str], on_error: str) -> None:
     """Every reward `spec` names resolves (a registry name, or an import path that imports), before any worker starts."""
     from baton.rewards import REWARD_ON_ERROR, RewardRoutes
@@ -506,7 +340,7 @@ def _check_reward_fn(spec: str | dict[str, str], on_error: str) -> None:
         RewardRoutes(spec)
     except ValueError as e:
         raise ConfigError(f"reward_fn: {e}") from e
-    _check_choice("reward_on_error", on_error, REWARD_ON_ERROR)
+    check_choice("reward_on_error", on_error, REWARD_ON_ERROR)
 
 
 def _divisors(n: int) -> list[int]:

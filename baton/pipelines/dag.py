@@ -17,7 +17,7 @@ from typing import Any
 from baton.algorithms import estimator_needs
 from baton.config.loader import ConfigError
 from baton.dag.compute import ComputeWorker
-from baton.dag.executor import SingleControllerExecutor
+from baton.dag.executor import SingleControllerExecutor, WorkflowContext
 from baton.dag.graph import TaskGraph, Workflow, WorkflowError
 from baton.dag.loader import load_workflow
 from baton.dag.multi import DAGWorker, MultiControllerExecutor
@@ -66,17 +66,11 @@ class DAGConfig(RLVRConfig):
         if self.dag.executor == "multi_controller" and not self.colocate_actor_rollout:
             raise ConfigError("dag.executor multi_controller runs every role of a rank in its DAG worker's process; "
                               "set colocate_actor_rollout: true")
-        if self.reward_model is not None:
-            raise ConfigError("reward_model: the workflow's nodes do not run a reward model yet; use RLVRPipeline "
-                              "(pipeline_cls: baton.pipelines.rlvr:RLVRPipeline)")
         if self.dag.num_compute_workers < 1:
             raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
         if estimator_needs(self.algorithm.adv_estimator).baseline_rollout:
             raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
                               "rollout, which the shipped workflow nodes do not generate; use grpo, rloo, gae, ...")
-        if self.algorithm.use_kl_in_reward and self.algorithm.kl_ctrl.type == "adaptive":
-            raise ConfigError("algorithm.kl_ctrl.type 'adaptive' is not run by the workflow's advantage node (its "
-                              "coefficient is fixed); use kl_ctrl.type fixed, or RLVRPipeline")
         try:
             self.graph()  # every workflow error before any worker starts
         except (WorkflowError, FileNotFoundError) as error:
@@ -86,7 +80,8 @@ class DAGConfig(RLVRConfig):
         if self.workflow is None:
             return rlvr_workflow(has_reference=self.reference is not None or self.algorithm.use_kl_loss
                                  or self.algorithm.use_kl_in_reward,
-                                 has_critic=self.critic is not None and self.algorithm.adv_estimator == "gae")
+                                 has_critic=self.critic is not None and estimator_needs(self.algorithm.adv_estimator).critic,
+                                 has_reward_model=self.reward_model is not None)
         if isinstance(self.workflow, str):
             from baton.config.paths import find_file
 
@@ -94,25 +89,33 @@ class DAGConfig(RLVRConfig):
         return load_workflow(self.workflow)
 
 
-def rlvr_workflow(has_reference: bool = False, has_critic: bool = False) -> TaskGraph:
-    """`RLVRPipeline.run()`'s step as a graph: data → rollout → reward → {old log-probs, ref log-probs, values}
-    → advantage → (critic update) → actor update → weight sync; the batch metrics after the actor's update,
-    beside the weight sync (beside the update, their fetch and reduction of the batch slowed it on 2 cores)."""
+def rlvr_workflow(has_reference: bool = False, has_critic: bool = False, has_reward_model: bool = False) -> TaskGraph:
+    """`RLVRPipeline.run()`'s step as a graph: data → rollout → reward (→ reward model → its scores added) → {old
+    log-probs, ref log-probs, values} → advantage → (critic update) → actor update → weight sync; the batch metrics
+    after the actor's update, beside the weight sync (beside the update, their fetch and reduction of the batch slowed
+    it on 2 cores)."""
     flow = Workflow("grpo" if not has_critic else "ppo")
     flow.add_node("data", "data_load", executable=f"{NODES}:load_prompts")
     flow.add_node("rollout", "model_inference", role="rollout", dependencies=["data"], executable=f"{NODES}:generate")
     flow.add_node("reward", "model_inference", role="reward", dependencies=["rollout"],
                   executable=f"{NODES}:compute_reward")
+    rewarded = "reward"
+    if has_reward_model:
+        flow.add_node("reward_model", "model_inference", role="reward_model", dependencies=["reward"],
+                      executable=f"{NODES}:reward_model_scores")
+        flow.add_node("reward_sum", "compute", role="advantage", dependencies=["reward_model"],
+                      executable=f"{NODES}:add_reward_model_scores")
+        rewarded = "reward_sum"
     # The forward passes are independent: they run at the same time where the models are on other workers.
-    flow.add_node("old_log_prob", "model_inference", role="actor", dependencies=["reward"],
+    flow.add_node("old_log_prob", "model_inference", role="actor", dependencies=[rewarded],
                   executable=f"{NODES}:old_log_probs", only_forward_compute=True)
     last = ["old_log_prob"]
     if has_reference:
-        flow.add_node("ref_log_prob", "model_inference", role="reference", dependencies=["reward"],
+        flow.add_node("ref_log_prob", "model_inference", role="reference", dependencies=[rewarded],
                       executable=f"{NODES}:ref_log_probs")
         last.append("ref_log_prob")
     if has_critic:
-        flow.add_node("values", "model_inference", role="critic", dependencies=["reward"],
+        flow.add_node("values", "model_inference", role="critic", dependencies=[rewarded],
                       executable=f"{NODES}:critic_values")
         last.append("values")
     flow.add_node("advantage", "compute", role="advantage", dependencies=last, executable=f"{NODES}:compute_advantage")
@@ -137,12 +140,12 @@ class DAGPipeline(RLVRPipeline):
         config, and the DAG workers are built with the graph."""
         self.graph = config.graph()
         for node in self.graph.nodes.values():
-            if node.executable == f"{NODES}:rollout_metrics":  # a group estimator: the share of flat groups
-                node.config.setdefault("groups", estimator_needs(config.algorithm.adv_estimator).groups)
+            if node.executable == f"{NODES}:add_reward_model_scores":
+                node.config.setdefault("reward_model_weight", config.reward_model_settings.weight)
         if config.dag.executor == "multi_controller":
             return {"dag": (DAGWorker, config.actor, (self.graph, config))}
         settings = ({"algorithm": config.algorithm, "reward_fn": config.reward_fn,
-                     "tokenizer": config.actor.strategy.tokenizer},)
+                     "tokenizer": config.actor.strategy.tokenizer},)  # and each step the algorithm itself (`rl`)
         return {f"compute_{i}": (ComputeWorker, config.dag.compute, settings)
                 for i in range(config.dag.num_compute_workers)}
 
@@ -158,21 +161,25 @@ class DAGPipeline(RLVRPipeline):
                               "the workflow executor yet; set trainer.offload_idle_roles: false, or run RLVRPipeline")
         self._check_needs()
         if config.dag.executor == "multi_controller":
-            self.executor = MultiControllerExecutor(self.graph, self, self.clusters["dag"])
+            self.executor = MultiControllerExecutor(self.graph, self.clusters["dag"], self.sampler,
+                                                    config.trainer.num_prompts_per_step, self.algorithm)
         else:
             compute = [self.clusters[f"compute_{i}"] for i in range(config.dag.num_compute_workers)]
-            self.executor = SingleControllerExecutor(self.graph, self, compute,
+            roles = {name: self.clusters.get(name) for name in
+                     ("actor", "rollout", "reward", "reference", "critic", "reward_model")}
+            context = WorkflowContext(
+                roles, self.algorithm, config.sampling.params(), self.next_prompts, lambda: self.update_pairs[0].sync(),
+                sync_every_steps=config.trainer.sync_every_steps, baseline_sampling=self.baseline_sampling,
+                reward_model_weight=config.reward_model_settings.weight, timer=self.timer)
+            self.executor = SingleControllerExecutor(self.graph, context, compute,
                                                      parallel=self.manager.backend != "local",
                                                      node_timeout_s=config.dag.node_timeout_s)
-
-    def sync_weights(self) -> None:
-        self.update_pairs[0].sync()
 
     def _check_needs(self) -> None:
         """The columns the configured algorithm trains on are written by some node of the workflow."""
         written = {c for node in self.graph.nodes.values() for c in node.columns()[1]}
-        needs = {"old_log_probs": self.needs_old_log_probs, "ref_log_probs": self.reference is not None,
-                 "values": self.critic is not None}
+        needs = {"old_log_probs": self.algorithm.needs_old_log_probs, "ref_log_probs": self.reference is not None,
+                 "values": self.critic is not None, "rm_scores": self.reward_model is not None}
         for column, needed in needs.items():
             if needed and column not in written:
                 raise ConfigError(f"workflow {self.graph.graph_id!r}: the config's algorithm needs {column!r} and no "
@@ -189,8 +196,10 @@ class DAGPipeline(RLVRPipeline):
             metrics = {**node_metrics, **self.node_timings(), **self.timings}
             if "perf/total_num_tokens" in metrics:
                 metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings["timing_s/step"]
-            if self.signal_watch is not None and "critic/frac_reward_zero_std" in metrics:
-                self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
+            if "actor/reward_kl_penalty" in metrics:  # the adaptive KL controller moves by the step's observed KL
+                num_rows = self.config.trainer.num_prompts_per_step * self.config.sampling.num_samples_per_prompt
+                self.algorithm.observe_kl(metrics, num_rows)
+            self.algorithm.watch(step, metrics)
             self.end_step(step, metrics, "reward", "critic/score/mean")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
@@ -201,7 +210,8 @@ class DAGPipeline(RLVRPipeline):
         return {f"timing_s/node/{node_id}": seconds for node_id, seconds in self.executor.times_s.items()}
 
 
-_WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "values": "critic_values"}
+_WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "values": "critic_values",
+           "rm_scores": "reward_model_scores"}
 
 
 def _demo_dag_default() -> DAGConfig:

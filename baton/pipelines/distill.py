@@ -23,8 +23,8 @@ from baton.datasets import PromptSampler, collate_prompts, collate_sft
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, SamplingConfig, TrainerConfig,
                                     _check_data, _check_reward_fn, _reward_workers)
-from baton.pipelines.data import load_datasets
-from baton.pipelines.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
+from baton.datasets.load import load_datasets
+from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.workers import RewardWorker, TeacherWorker

@@ -25,7 +25,7 @@ from baton.datasets.preference import PreferenceDataset, check_pairs_together, c
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, SamplingConfig, TrainerConfig,
                                     _check_data, _check_reward_fn, _reward_workers)
-from baton.pipelines.data import load_datasets
+from baton.datasets.load import load_datasets
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.workers import ReferenceWorker, RewardWorker

@@ -94,7 +94,7 @@ def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str 
     """Accuracy, pass@k (with several samples per prompt: `pass@2`, `pass@4`, … `pass@{n}`) and mean reward of
     `policy` on the run's held-out data (or the prompt file `data_path`), and verl's val-core metrics of each data
     source ("val-core": {"<data_source>/reward/mean@{n}": ..., ...}), as the run logged them."""
-    from baton.pipelines.data import load_datasets, load_prompt_file
+    from baton.datasets.load import load_datasets, load_prompt_file
     from baton.pipelines.policy import validate
     from baton.workers import RewardWorker
 

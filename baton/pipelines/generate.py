@@ -131,7 +131,7 @@ class GeneratePipeline(Pipeline):
 
     @classmethod
     def load_data(cls, config: GenerateConfig):
-        from baton.pipelines.data import load_datasets
+        from baton.datasets.load import load_datasets
 
         return load_datasets(config.data, config.rollout.strategy.tokenizer)
 

@@ -4,8 +4,8 @@ with a buffer, over-sampling with dynamic filtering, partial rollouts, and gener
 
 The loop: the step's groups (generated now, by the rollout started during the last step, or taken from the
 continuous producer) → training batch (staleness-checked) → old/ref log-probs and values → advantages → update →
-weights into the engines in place → validate → checkpoint. The algorithm is `RLVRPipeline`'s; only where the
-samples come from differs.
+weights into the engines in place → validate → checkpoint. The algorithm is the loop's (`RLAlgorithm`, held, not
+inherited); only where the samples come from differs.
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ import numpy as np
 from baton.config import ConfigError
 from baton.data import DataProto
 from baton.datasets import PromptDataset
+from baton.datasets.load import load_prompt_file
 from baton.pipelines.base import Pipeline, cluster_devices, on_gpus
 from baton.pipelines.config import RLVRConfig, RoleConfig
-from baton.pipelines.data import load_prompt_file
 from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
-from baton.pipelines.losses import SFTLoss
 from baton.pipelines.policy import probe_tolerance
-from baton.pipelines.rlvr import RLVRPipeline, StaleSamplesWarning
+from baton.pipelines.rlvr import reward_model_role
+from baton.rl import RLAlgorithm, SFTLoss, StaleSamplesWarning, TrainingRoles, add_model_scores
 from baton.rollout import RolloutDataSource, Sample
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.engine_worker import EngineWorker
 from baton.rollout.functions import RolloutStalledError
 from baton.rollout.manager import RolloutManager
+from baton.strategy.capabilities import backends_that, capabilities
 from baton.workers import ActorWorker, CriticWorker, ReferenceWorker
 from baton.workers.weight_sync import probe_batch
 
@@ -74,16 +75,13 @@ class RolloutRLVRConfig(RLVRConfig):
         super().check()
         if self.loss not in ("policy", "sft"):
             raise ConfigError(f"loss {self.loss!r} is not one of 'policy', 'sft'")
-        if self.reward_model is not None:
-            raise ConfigError("reward_model: the rollout system scores groups with rollout_system.reward_function; a "
-                              "reward model is run by RLVRPipeline (pipeline_cls: baton.pipelines.rlvr:RLVRPipeline)")
         if self.colocate_actor_rollout:
             raise ConfigError("colocate_actor_rollout fuses the actor with a rollout worker; the rollout system's "
                               "engines are workers of their own: give them the actor's device_mapping to share its "
                               "devices instead")
-        if self.rollout.strategy.name not in ("hf", "vllm"):
-            raise ConfigError(f"rollout.strategy.name {self.rollout.strategy.name!r}: the rollout system's engines run "
-                              "'hf' or 'vllm'")
+        if not capabilities(self.rollout.strategy.name).serves_requests:
+            raise ConfigError(f"rollout.strategy.name {self.rollout.strategy.name!r}: the rollout system's engines serve "
+                              f"requests, which {', '.join(backends_that('serves_requests'))} do; set one of them")
         if self.baseline_rollout_needed():
             raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
                               "rollout, which the rollout system does not generate; use grpo, rloo, gae, ...")
@@ -103,12 +101,12 @@ def engine_roles(rollout: RoleConfig) -> dict[str, RoleConfig]:
             for i in range(count)}
 
 
-class RolloutRLVRPipeline(RLVRPipeline):
+class RolloutRLVRPipeline(Pipeline):
     config_cls = RolloutRLVRConfig
 
     def __init__(self, config: RolloutRLVRConfig):
         config = config.with_run_schedules()
-        Pipeline.__init__(self, config, config.trainer)
+        super().__init__(config, config.trainer)
         system, algo = config.rollout_system, config.algorithm
         roles = {"actor": (ActorWorker, config.actor, (config.actor.strategy,))}
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
@@ -116,13 +114,16 @@ class RolloutRLVRPipeline(RLVRPipeline):
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
         if config.critic is not None:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
+        if config.reward_model is not None:
+            roles["reward_model"] = reward_model_role(config)
         engines = engine_roles(config.rollout) if system.load_rollouts is None else {}  # train-only: no engines
         roles.update({name: (EngineWorker, role, (role.strategy, system.max_num_seqs_per_engine))
                       for name, role in engines.items()})
         clusters = self.create_clusters(roles)
         self.actor, self.reference, self.critic = clusters["actor"], clusters.get("reference"), clusters.get("critic")
+        self.reward_model = clusters.get("reward_model")
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
-        self.build_algorithm(config, stale=False)
+        self.algorithm = RLAlgorithm(algo, config.reward_fn)
         if system.mode != "sync" and algo.rollout_correction == "none":
             # The old log-probs cost a forward pass: computed where the loss uses them (a correction, several
             # epochs or mini-batches), which also logs rollout/logprob_diff.
@@ -184,9 +185,10 @@ class RolloutRLVRPipeline(RLVRPipeline):
     # --- state ------------------------------------------------------------------------------------
 
     def pipeline_state(self) -> dict:
-        """Besides RLVR's: the data source (its buffer and the partial samples in it) and, in the overlapped modes,
-        the next step's groups, generated or taken ahead (waited for first)."""
-        state = {**super().pipeline_state(), "rollouts": self.rollouts.state_dict(), "next_rollout": None}
+        """Besides the loop's (and the algorithm's): the data source (its buffer and the partial samples in it) and,
+        in the overlapped modes, the next step's groups, generated or taken ahead (waited for first)."""
+        state = {**super().pipeline_state(), **self.algorithm.state_dict(), "rollouts": self.rollouts.state_dict(),
+                 "next_rollout": None}
         if self.next_rollout is not None:
             groups, metrics, _ = self.wait_next_rollout()
             state["next_rollout"] = {"groups": [[s.to_dict() for s in g] for g in groups], "metrics": metrics}
@@ -194,6 +196,7 @@ class RolloutRLVRPipeline(RLVRPipeline):
 
     def load_pipeline_state(self, state: dict) -> None:
         super().load_pipeline_state(state)
+        self.algorithm.load_state_dict(state)
         self.rollouts.load_state_dict(state["rollouts"])
         saved = state.get("next_rollout")
         if saved is not None:
@@ -210,12 +213,12 @@ class RolloutRLVRPipeline(RLVRPipeline):
         """In async mode the producer stops first (what runs is aborted into the buffer, what is ready goes back to
         its front), so the checkpoint holds every sample; it starts again after. The next step's take, running
         meanwhile, is waited for first: its groups are saved as the next step's."""
-        continuous = self.rollouts._producer is not None
+        continuous = self.rollouts.producing
         if continuous:
             if self.next_rollout is not None:
                 self.wait_next_rollout()
             self.rollouts.stop_continuous()
-        path = Pipeline.do_checkpoint(self, step)
+        path = super().do_checkpoint(step)
         if continuous and step < self.trainer.num_steps:
             self.rollouts.start_continuous()
         return path
@@ -289,28 +292,36 @@ class RolloutRLVRPipeline(RLVRPipeline):
                         sync_metrics = self.rollouts.update_weights(self.actor, version=step) if engines else {}
             metrics = {**self.rollout_metrics(batch), **rollout_metrics, **train_metrics,
                        **sync_metrics, **self.timings}
-            if self.signal_watch is not None:
-                self.signal_watch.update(step, metrics["critic/frac_reward_zero_std"], metrics["critic/score/mean"])
+            self.algorithm.watch(step, metrics)
             self.end_step(step, metrics, "reward", "critic/score/mean")
         self.rollouts.settle_weight_check()  # the last sync's probe, when scored in the background
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 
+    def rollout_metrics(self, batch: DataProto) -> dict[str, float]:
+        metrics = self.algorithm.batch_metrics(batch)
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings.get("timing_s/step", float("nan"))
+        return metrics
+
     def train(self, batch) -> tuple:
-        """RLVR's training (`train_on`), or with loss "sft" one update on the responses' negative log-likelihood."""
+        """The algorithm's training (`RLAlgorithm.train_on`), the reward model's score added first where there is
+        one; or with loss "sft" one update on the responses' negative log-likelihood."""
         if self.config.loss == "policy":
-            return self.train_on(batch)
+            model_metrics = {}
+            if self.reward_model is not None:
+                with self.timer("reward_model"):
+                    batch, model_metrics = add_model_scores(batch, self.reward_model.score(batch),
+                                                            self.config.reward_model_settings.weight)
+            batch, metrics = self.algorithm.train_on(batch, TrainingRoles(self.actor, self.reference, self.critic),
+                                                     self.timer)
+            return batch, {**model_metrics, **metrics}
         with self.timer("update_actor"):
             per_rank = self.actor.train_step(batch, SFTLoss(), "token")
         return batch, {f"actor/{key}": float(np.mean([m[key] for m in per_rank])) for key in per_rank[0]}
 
     def validate(self) -> dict[str, float]:
-        """The val set's metrics as `val/...` (as RLVR logs them), the further eval sets' as `eval/{name}/...`."""
-        metrics = {}
-        for name, values in self.rollouts.eval(self.global_step).items():
-            prefix = "val/" if name == "val" else f"eval/{name}/"
-            metrics.update({prefix + key: value for key, value in values.items()})
-        return metrics
+        """The val set's metrics as `val/...`, the loop's metric set; the further eval sets' as `eval/{name}/...`."""
+        return self.rollouts.eval(self.global_step)
 
     def shutdown(self) -> None:
         if hasattr(self, "rollouts"):

@@ -7,8 +7,8 @@ import time
 from baton.datasets import PromptSampler, collate_sft
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import SFTConfig
-from baton.pipelines.losses import SFTLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.rl.losses import SFTLoss
 from baton.workers import RewardWorker
 
 

@@ -58,7 +58,7 @@ class GroupRewarder:
         self.reward_fn, self.on_error, self.custom, self.timeout_s = reward_fn, on_error, custom, timeout_s
         self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes and custom is None else None
         self._pool_lock = threading.Lock()  # the scoring pool serves one group at a time
-        self.num_errors = 0
+        self.num_errors = self.num_timeouts = 0  # rows scored 0 by reward_on_error "zero", timeouts among them
 
     async def __call__(self, args: Any, group: list[Sample]) -> None:
         try:
@@ -77,6 +77,7 @@ class GroupRewarder:
             return
         result = await in_thread(self._score_rows, group)
         self.num_errors += result.num_errors
+        self.num_timeouts += result.num_timeouts
         for row, sample in enumerate(group):
             extras = {key: values[row] for key, values in result.extras.items()}
             if result.preds is not None:

@@ -1,11 +1,12 @@
-"""The pipelines' prompt data, from the data config, checked when loaded."""
+"""The prompt data of a `data:` config, loaded and checked: the arithmetic split, or the configured files."""
 
 from __future__ import annotations
 
 from baton.config.paths import find_file
-from baton.datasets import PromptDataset, arithmetic_splits
+from baton.datasets.arithmetic import arithmetic_splits
+from baton.datasets.config import DataConfig
+from baton.datasets.prompts import PromptDataset
 from baton.models import load_tokenizer
-from baton.pipelines.config import DataConfig
 
 
 def load_datasets(config: DataConfig, tokenizer_path: str | None):
