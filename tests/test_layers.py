@@ -41,13 +41,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("baton.recipes", "baton.cli", "baton"),  # 10: presets, the command line, the package's public names
 ]
 
-# Issue 31: the DAG's RLVR nodes still call RLVR's functions in baton.pipelines; the RL algorithm object (baton.rl)
-# ends both arrows. Remove each entry with its arrow: an entry that matches no import fails the test.
-EXPECTED_TO_GO: set[tuple[str, str]] = {  # (importing module, imported package)
-    ("baton.dag.nodes", "baton.pipelines"),
-    ("baton.dag.multi", "baton.pipelines"),
-}
-
 PLUGIN_PATH = re.compile(r"baton(\.\w+)+:\w+(\.\w+)*")
 
 
@@ -163,22 +156,13 @@ def test_every_module_has_a_layer():
     assert not missing, f"modules no layer covers: {missing}; add their package to LAYERS (and to docs/DESIGN.md)"
 
 
-def upward_imports() -> list[tuple[Import, tuple[int, str], tuple[int, str]]]:
-    """Each import of a higher layer, with the importer's and the imported module's (layer number, table entry)."""
-    return [(found, layer_of(found.importer), layer_of(found.imported)) for found in all_imports()
-            if layer_of(found.imported)[0] > layer_of(found.importer)[0]]
-
-
 def test_no_import_points_up_a_layer():
-    upward = [f"{found}: layer {low[0]} ({low[1]}) imports layer {high[0]} ({high[1]})"
-              for found, low, high in upward_imports() if (found.importer, high[1]) not in EXPECTED_TO_GO]
+    upward = []
+    for found in all_imports():
+        (low, low_entry), (high, high_entry) = layer_of(found.importer), layer_of(found.imported)
+        if high > low:
+            upward.append(f"{found}: layer {low} ({low_entry}) imports layer {high} ({high_entry})")
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
-
-
-def test_every_expected_to_go_entry_still_has_its_arrow():
-    """So that an exemption goes with its arrow, not later."""
-    stale = EXPECTED_TO_GO - {(found.importer, high[1]) for found, _, high in upward_imports()}
-    assert not stale, f"EXPECTED_TO_GO entries whose imports are gone (remove them): {sorted(stale)}"
 
 
 def test_no_modules_import_each_other_in_a_circle():
