@@ -12,9 +12,11 @@ from baton.config.loader import (
     to_dict,
 )
 from baton.config.paths import add_config_dir, find_file, ray_runtime_env, record_import_dirs
+from baton.config.registry import Registry
 
 __all__ = [
     "ConfigError",
+    "Registry",
     "add_config_dir",
     "apply_overrides",
     "deep_merge",
