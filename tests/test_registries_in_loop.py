@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from baton.algorithms import ADV_ESTIMATORS, EstimatorNeeds, gae, grpo, register_adv_estimator
-from baton.algorithms.advantages import ADV_ESTIMATOR_NEEDS
 from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig, KLControlConfig, RoleConfig
@@ -27,7 +26,6 @@ def registered():
     yield register
     for name in names:
         ADV_ESTIMATORS.pop(name)
-        ADV_ESTIMATOR_NEEDS.pop(name)
 
 
 def test_a_new_estimator_that_needs_a_critic_gets_one(tmp_path, registered):

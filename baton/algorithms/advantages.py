@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from baton.algorithms.utils import group_ids, masked, masked_whiten
+from baton.config.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GroupIndex = Sequence | np.ndarray | torch.Tensor
@@ -33,32 +34,30 @@ class EstimatorNeeds:
     baseline_rollout: bool = False  # `reward_baselines` [batch]: the reward of a greedy rollout per prompt
 
 
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
-ADV_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+_NEEDS: dict[AdvantageFn, EstimatorNeeds] = {}  # by function: an estimator named by its import path finds its own
 
 
 def register_adv_estimator(name: str, needs: EstimatorNeeds = EstimatorNeeds()):
-    """Decorator: make an advantage estimator available by name, with what it needs."""
+    """Decorator: make an advantage estimator available by name, with what it needs. A config may then name it, or
+    give its import path ("package.module:function"): either way `estimator_needs` finds the needs declared here."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
         ADV_ESTIMATORS[name] = fn
-        ADV_ESTIMATOR_NEEDS[name] = needs
+        _NEEDS[fn] = needs
         return fn
 
     return decorator
 
 
 def estimator_needs(name: str) -> EstimatorNeeds:
-    get_adv_estimator(name)
-    return ADV_ESTIMATOR_NEEDS[name]
+    """What estimator `name` (a registered name or an import path) needs: as registered; none for a function that was
+    never registered."""
+    return _NEEDS.get(get_adv_estimator(name), EstimatorNeeds())
 
 
 def get_adv_estimator(name: str) -> AdvantageFn:
-    if name not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADV_ESTIMATORS)}")
-    return ADV_ESTIMATORS[name]
+    return ADV_ESTIMATORS.get(name)
 
 
 def estimator_params(name: str) -> frozenset[str]:

@@ -28,25 +28,23 @@ from typing import Callable
 import torch
 
 from baton.algorithms.aggregation import agg_loss
+from baton.config.registry import Registry
 
 # The mass an empty tail (k = vocab) is given: 0 to float32 sums, but its log (-87) stays finite, so its
 # 0 · log 0 terms are 0 and no gradient is infinite or NaN.
 _EMPTY = 1e-38
 
-DISTILL_LOSSES: dict[str, Callable[..., torch.Tensor]] = {}
+DISTILL_LOSSES: Registry[Callable[..., torch.Tensor]] = Registry("distillation loss")
 
 
 def register_distill_loss(name: str):
-    def decorator(fn):
-        DISTILL_LOSSES[name] = fn
-        return fn
-    return decorator
+    """Decorator: make a distillation loss available by name."""
+    return DISTILL_LOSSES.register(name)
 
 
 def get_distill_loss(name: str) -> Callable[..., torch.Tensor]:
-    if name not in DISTILL_LOSSES:
-        raise ValueError(f"unknown distillation loss {name!r}; valid: {sorted(DISTILL_LOSSES)} (jsd takes beta in [0, 1])")
-    return DISTILL_LOSSES[name]
+    """A registered distillation loss, or one given by import path "package.module:function"."""
+    return DISTILL_LOSSES.get(name)
 
 
 def check_beta(beta: float) -> None:

@@ -16,27 +16,20 @@ import numpy as np
 import torch
 
 from baton.algorithms.utils import masked, masked_mean
+from baton.config.registry import Registry
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KL_ESTIMATORS: dict[str, KLFn] = {}
+KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
 
 
 def register_kl_estimator(name: str):
     """Decorator: make a KL estimator `fn(log_probs, ref_log_probs) -> kl` available by name."""
-
-    def decorator(fn: KLFn) -> KLFn:
-        if name in KL_ESTIMATORS:
-            raise ValueError(f"KL estimator {name!r} is already registered")
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+    return KL_ESTIMATORS.register(name)
 
 
 def get_kl_estimator(name: str) -> KLFn:
-    if name not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[name]
+    """A registered KL estimator, or one given by import path "package.module:function"."""
+    return KL_ESTIMATORS.get(name)
 
 
 @register_kl_estimator("k1")

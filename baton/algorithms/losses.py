@@ -19,27 +19,20 @@ import torch
 
 from baton.algorithms.aggregation import agg_loss
 from baton.algorithms.utils import masked, masked_mean
+from baton.config.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
 def register_policy_loss(name: str):
     """Decorator: make a policy loss available by name."""
-
-    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
+    return POLICY_LOSSES.register(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    """A registered policy loss, or one given by import path "package.module:function"."""
+    return POLICY_LOSSES.get(name)
 
 
 def compute_policy_loss(

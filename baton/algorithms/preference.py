@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from baton.config.registry import Registry
+
 
 @dataclass(frozen=True)
 class PreferenceLossSpec:
@@ -33,11 +35,12 @@ class PreferenceLossSpec:
     uses_label_smoothing: bool
 
 
-PREFERENCE_LOSSES: dict[str, PreferenceLossSpec] = {}
+PREFERENCE_LOSSES: Registry[PreferenceLossSpec] = Registry("preference loss")
 
 
 def register_preference_loss(name: str, *, needs_reference: bool = True, length_normalised: bool = False,
                              uses_label_smoothing: bool = False):
+    """Decorator: make a preference loss available by name, with what it needs."""
     def decorator(fn):
         PREFERENCE_LOSSES[name] = PreferenceLossSpec(fn, needs_reference, length_normalised, uses_label_smoothing)
         return fn
@@ -45,9 +48,12 @@ def register_preference_loss(name: str, *, needs_reference: bool = True, length_
 
 
 def get_preference_loss(name: str) -> PreferenceLossSpec:
-    if name not in PREFERENCE_LOSSES:
-        raise ValueError(f"unknown preference loss {name!r}; valid: {sorted(PREFERENCE_LOSSES)}")
-    return PREFERENCE_LOSSES[name]
+    """A registered preference loss, or a `PreferenceLossSpec` given by import path "package.module:NAME"."""
+    spec = PREFERENCE_LOSSES.get(name)
+    if not isinstance(spec, PreferenceLossSpec):
+        raise ValueError(f"preference loss {name!r} is a {type(spec).__name__}, not a PreferenceLossSpec; register the "
+                         "function with @register_preference_loss, or name a PreferenceLossSpec")
+    return spec
 
 
 def _smoothed_sigmoid(scaled: torch.Tensor, label_smoothing: float) -> torch.Tensor:

@@ -25,28 +25,21 @@ import torch
 
 from baton.algorithms.aggregation import count_loss_units
 from baton.algorithms.utils import masked, masked_mean, masked_sum
+from baton.config.registry import Registry
 
 RolloutCorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, tuple[float, float]]]]
-ROLLOUT_CORRECTIONS: dict[str, RolloutCorrectionFn] = {}
+ROLLOUT_CORRECTIONS: Registry[RolloutCorrectionFn] = Registry("rollout correction")
 _MAX_LOG_RATIO = 20.0  # exp(±20) stays finite in float32
 
 
 def register_rollout_correction(name: str):
     """Decorator: make a rollout correction available by name."""
-
-    def decorator(fn: RolloutCorrectionFn) -> RolloutCorrectionFn:
-        if name in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"rollout correction {name!r} is already registered")
-        ROLLOUT_CORRECTIONS[name] = fn
-        return fn
-
-    return decorator
+    return ROLLOUT_CORRECTIONS.register(name)
 
 
 def get_rollout_correction(name: str) -> RolloutCorrectionFn:
-    if name not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"unknown rollout correction {name!r}; valid: {sorted(ROLLOUT_CORRECTIONS)}")
-    return ROLLOUT_CORRECTIONS[name]
+    """A registered rollout correction, or one given by import path "package.module:function"."""
+    return ROLLOUT_CORRECTIONS.get(name)
 
 
 def rollout_correction_params(name: str) -> frozenset[str]:

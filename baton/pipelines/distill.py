@@ -97,8 +97,7 @@ class DistillConfig:
             raise ConfigError("distillation needs a `teacher:` section: the frozen model the student learns from, "
                               "e.g. teacher.strategy.model: runs/teacher/checkpoints/step_N/actor (an SFT run's "
                               "checkpoint) or a model name")
-        if algo.loss_type not in DISTILL_LOSSES:
-            raise ConfigError(f"algorithm.loss_type {algo.loss_type!r} is not one of {sorted(DISTILL_LOSSES)}")
+        DISTILL_LOSSES.get(algo.loss_type, key="algorithm.loss_type")
         if not 0.0 <= algo.beta <= 1.0:
             raise ConfigError(f"algorithm.beta={algo.beta} is outside [0, 1]: it is the teacher's weight in the jsd "
                               "mixture (0: forward KL, 1: reverse KL, 0.5: the symmetric JSD)")

@@ -93,8 +93,7 @@ class DPOConfig:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         algo, strategy = self.algorithm, self.actor.strategy
         _check_data(self.data)
-        if algo.loss_type not in PREFERENCE_LOSSES:
-            raise ConfigError(f"algorithm.loss_type {algo.loss_type!r} is not one of {sorted(PREFERENCE_LOSSES)}")
+        PREFERENCE_LOSSES.get(algo.loss_type, key="algorithm.loss_type")
         spec = get_preference_loss(algo.loss_type)
         if algo.beta <= 0:
             raise ConfigError(f"algorithm.beta={algo.beta} must be > 0 (TRL's default: 0.1)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.config import ConfigError
+from baton.config import ConfigError, Registry
 
 
 @dataclass
@@ -111,7 +111,11 @@ class AlgorithmConfig:
 
 
 def check_choice(key: str, value: str, valid) -> None:
-    if value not in valid:
+    """Raise ConfigError unless `value` is in `valid`; from a `Registry`, a registered name or an import path that
+    imports (the user's own estimator, loss, ...)."""
+    if isinstance(valid, Registry):
+        valid.get(value, key=key)
+    elif value not in valid:
         raise ConfigError(f"{key} {value!r} is not one of {sorted(valid)}")
 
 
