@@ -91,7 +91,7 @@ def test_grpo_on_ray_with_actor_and_rollout_apart_or_together(tmp_path, ray_clus
     (dict(adv_estimator="grpo", num_samples=1), "num_samples_per_prompt=1; use 2 or more"),
     (dict(actor_world_size=3), "does not split evenly over the 3 actor workers"),
     (dict(reward_fn="exact_matsh"), "reward_fn: unknown reward 'exact_matsh'; valid: .*'exact_match'"),
-    (dict(reward_fn="no_such_module:score"), "reward_fn: cannot load reward function 'no_such_module:score'"),
+    (dict(reward_fn="no_such_module:score"), "reward_fn: reward 'no_such_module:score' cannot be imported"),
     (dict(loss_agg_mode="token_mean"), "algorithm.loss_agg_mode 'token_mean' is not one of"),
 ])
 def test_impossible_configs_fail_before_anything_starts(tmp_path, monkeypatch, change, message):

@@ -4,34 +4,19 @@ parameters named `data_source` and `solution_str` is called as verl calls it (`b
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
+from baton.config.registry import Registry
+
 RewardFn = Callable[..., float]
-REWARDS: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def register_reward(name: str):
     """Decorator: make a reward function available by name."""
-
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
-
-    return decorator
+    return REWARDS.register(name)
 
 
 def get_reward_fn(name: str) -> RewardFn:
     """A registered reward, or one given by import path "package.module:function"."""
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}; valid: {sorted(REWARDS)} or an import path 'package.module:function'")
-    module, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load reward function {name!r}: {exc} (modules are found beside the config file, "
-                         "in the working directory and on PYTHONPATH)") from exc
+    return REWARDS.get(name)
