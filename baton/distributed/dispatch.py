@@ -1,7 +1,8 @@
 """`@register`: how a worker method's call fans out over a cluster and how the results come back.
 
 A registered method carries a `MethodSpec` (kept in an explicit dict keyed by the function). The
-dispatch mode is looked up by name in `DISPATCH_MODES`; add your own with `register_dispatch_mode`.
+dispatch mode is looked up by name in `DISPATCH_MODES` (or given by the import path of a `DispatchMode`); add your own
+with `register_dispatch_mode`.
 The same functions serve the Ray and the local backend.
 """
 
@@ -11,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from baton.config.registry import Registry
 from baton.data import DataProto
 from baton.distributed.remote import RemoteData
 from baton.distributed.worker import RankInfo
@@ -98,7 +100,7 @@ class DispatchMode:
         return self.collect_ranks_fn(layout)
 
 
-DISPATCH_MODES: dict[str, DispatchMode] = {}
+DISPATCH_MODES: Registry[DispatchMode] = Registry("dispatch mode")
 
 
 def register_dispatch_mode(
@@ -112,21 +114,18 @@ def register_dispatch_mode(
 
     combine_fn: for methods that return DataProto shards in row order, the module-level function that joins a
     list of them (the `collect_fn` without the layout); given, a non-blocking call returns a `DataProtoFuture`."""
-    if name in DISPATCH_MODES:
-        raise ValueError(f"dispatch mode {name!r} is already registered; pick another name")
     DISPATCH_MODES[name] = DispatchMode(name, dispatch_fn, collect_fn, collect_ranks_fn,
                                         returns_data=combine_fn is not None, combine_fn=combine_fn)
     return name
 
 
 def get_dispatch_mode(name: str) -> DispatchMode:
-    try:
-        return DISPATCH_MODES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown dispatch mode {name!r}; valid: {sorted(DISPATCH_MODES)} "
-            "(add one with register_dispatch_mode)"
-        ) from None
+    """A registered dispatch mode, or the `DispatchMode` that an import path "package.module:NAME" names."""
+    mode = DISPATCH_MODES.get(name)
+    if not isinstance(mode, DispatchMode):
+        raise ValueError(f"dispatch mode {name!r} is a {type(mode).__name__}, not a DispatchMode; give the name "
+                         "register_dispatch_mode returned, or the import path of a DispatchMode")
+    return mode
 
 
 # --- @register ------------------------------------------------------------------------------
@@ -168,13 +167,14 @@ def register(
         long poll), so that the calls issued meanwhile do not queue behind its wait. Such methods run one at a time
         among themselves; they must not touch what the other calls change without a lock.
     """
-    mode = get_dispatch_mode(str(dispatch_mode))
+    name = str(dispatch_mode)
+    mode = get_dispatch_mode(name)
     if auto_padding and not mode.returns_data and mode.name != Dispatch.DP_COMPUTE_METRIC:
         raise ValueError(f"auto_padding applies to the dp dispatch modes only, not {mode.name!r}")
     if own_thread and mode.returns_data:
         raise ValueError(f"own_thread is for a method that waits (a long poll), not for a {mode.name!r} data method; "
                          "leave it off")
-    spec = MethodSpec(mode.name, Execute(execute_mode), blocking, materialize_futures, auto_padding, own_thread)
+    spec = MethodSpec(name, Execute(execute_mode), blocking, materialize_futures, auto_padding, own_thread)
 
     def decorator(fn):
         _METHOD_SPECS[fn] = spec
