@@ -4,7 +4,8 @@ load on first use, so an environment process imports only what it runs."""
 from baton._lazy import lazy_exports
 
 _EXPORTS = {
-    "Env": "baton.agentic.env", "GuessNumberEnv": "baton.agentic.env", "CalculatorEnv": "baton.agentic.env",
+    "ENVIRONMENTS": "baton.agentic.env", "Env": "baton.agentic.env", "GuessNumberEnv": "baton.agentic.env",
+    "CalculatorEnv": "baton.agentic.env",
     "EnvError": "baton.agentic.pool", "EnvPool": "baton.agentic.pool",
     "AgenticSettings": "baton.agentic.rollout", "generate_trajectory": "baton.agentic.rollout",
     "trajectory_reward": "baton.agentic.rollout",

@@ -5,12 +5,14 @@ An environment is a plain object: `reset(seed) -> observation` starts an episode
 next; a turn's reward is a number (the trajectory's reward sums them). Environments run in processes of their own
 (`baton.agentic.pool.EnvPool`), so one that hangs or crashes costs its trajectory, not the step.
 
-Shipped (both fit the character tokenizer: printable ASCII, one line per turn):
+`ENVIRONMENTS` names the shipped ones; a config's `agentic.env` is one of those names or the import path of the user's
+own factory ("package.module:Class", a class or function that takes `env_kwargs` and returns an `Env`). Shipped (both
+fit the character tokenizer: printable ASCII, one line per turn):
 
-- `GuessNumberEnv`: a hidden number in [1, high]; each turn the model writes a guess, the environment answers
-  "higher", "lower" (or "invalid" for a line that is not a number in range) until it says "correct" (reward 1).
-- `CalculatorEnv`: an arithmetic question; the model may write `calc <expression>` (the environment answers
-  `= <value>`) before it writes `answer <number>` (reward 1 if right, 0 if wrong; the episode ends there).
+- "guess_number", `GuessNumberEnv`: a hidden number in [1, high]; each turn the model writes a guess, the environment
+  answers "higher", "lower" (or "invalid" for a line that is not a number in range) until it says "correct" (reward 1).
+- "calculator", `CalculatorEnv`: an arithmetic question; the model may write `calc <expression>` (the environment
+  answers `= <value>`) before it writes `answer <number>` (reward 1 if right, 0 if wrong; the episode ends there).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import ast
 import operator
 import random
 import re
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from baton.config.registry import Registry
 
 
 @runtime_checkable
@@ -31,6 +35,10 @@ class Env(Protocol):
         """One model turn (its text, stop token excluded): (observation, reward, done, info)."""
 
 
+ENVIRONMENTS: Registry[Callable[..., Env]] = Registry("environment")
+
+
+@ENVIRONMENTS.register("guess_number")
 class GuessNumberEnv:
     """Guess a hidden number in [1, high] from "higher"/"lower" hints. A guess is a line holding one integer;
     anything else is "invalid" (reward 0, the episode goes on)."""
@@ -81,6 +89,7 @@ def evaluate_arithmetic(expression: str) -> int:
     return value(tree.body)
 
 
+@ENVIRONMENTS.register("calculator")
 class CalculatorEnv:
     """"What is a*b+c?" with a calculator tool: `calc <expression>` is answered with `= <value>` (or `= error`),
     `answer <number>` ends the episode (reward 1 if right). Any other line: "use calc or answer"."""
@@ -112,4 +121,4 @@ class CalculatorEnv:
         return "use calc or answer\n", 0.0, False, {"tool": False}
 
 
-__all__ = ["CalculatorEnv", "Env", "GuessNumberEnv", "evaluate_arithmetic"]
+__all__ = ["ENVIRONMENTS", "CalculatorEnv", "Env", "GuessNumberEnv", "evaluate_arithmetic"]

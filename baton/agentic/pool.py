@@ -32,7 +32,8 @@ import time
 import traceback
 from typing import Any
 
-from baton.config import import_object
+from baton.agentic.env import ENVIRONMENTS
+from baton.config import ConfigError, import_object
 
 
 class EnvError(RuntimeError):
@@ -160,9 +161,22 @@ class _Process:
         self.incoming.close()
 
 
+def _importable_path(factory, env: str) -> str:
+    """The import path by which a fresh process finds `factory` (it runs none of this process's registrations)."""
+    path = f"{factory.__module__}:{factory.__qualname__}"
+    try:
+        found = None if factory.__module__ == "__main__" else import_object(path)
+    except ConfigError:
+        found = None
+    if found is not factory:
+        raise ValueError(f"environment {env!r} is {path!r}, which an environment process cannot import; define it at "
+                         "the top level of a module")
+    return path
+
+
 class EnvPool:
-    """See the module docstring. env: an import path "package.module:Factory" (a class or function that takes
-    `env_kwargs` and returns an `Env`)."""
+    """See the module docstring. env: a name in `ENVIRONMENTS`, or an import path "package.module:Factory" (a class or
+    function that takes `env_kwargs` and returns an `Env`)."""
 
     def __init__(self, env: str, env_kwargs: dict | None = None, num_processes: int = 2,
                  episodes_per_process: int = 64, timeout_s: float = 10.0, acquire_timeout_s: float = 600.0,
@@ -172,10 +186,7 @@ class EnvPool:
                              "be >= 1")
         if timeout_s <= 0 or acquire_timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} and acquire_timeout_s={acquire_timeout_s} must be > 0")
-        try:
-            import_object(env)  # here, so that a bad path fails before any process starts
-        except Exception as error:
-            raise ValueError(f"environment {env!r} cannot be imported: {error}") from error
+        self.env_path = _importable_path(ENVIRONMENTS.get(env), env)  # a bad name fails before any process starts
         self.env, self.env_kwargs, self.episodes_per_process = env, dict(env_kwargs or {}), episodes_per_process
         self.timeout_s, self.acquire_timeout_s, self.start_timeout_s = timeout_s, acquire_timeout_s, start_timeout_s
         self._lock = threading.Lock()
@@ -186,7 +197,7 @@ class EnvPool:
 
     def _start(self) -> _Process:
         """A fresh process, once it answers (its imports done)."""
-        process = _Process(self.env, self.env_kwargs, self.episodes_per_process + 4)
+        process = _Process(self.env_path, self.env_kwargs, self.episodes_per_process + 4)
         try:
             process.call("ping", "", None).result(self.start_timeout_s)
         except (concurrent.futures.TimeoutError, EnvError):

@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton.agentic.env import ENVIRONMENTS
 from baton.agentic.pool import EnvError
 from baton.engines.protocol import GenerationRequest
 from baton.rollout.sample import Sample, Status
@@ -31,15 +32,16 @@ _episodes = itertools.count()
 class AgenticSettings:
     """The environment and the limits of a trajectory.
 
-    env / env_kwargs: the environment factory ("package.module:Class") and its arguments. max_turns: model turns
-    per episode at most. max_tokens_per_turn: one turn's tokens at most. max_tokens: the whole trajectory's
-    tokens (model and environment) at most. env_timeout_s: one environment call at most (then the sample
-    fails). num_env_processes / episodes_per_env_process: the processes the environments run in, and the episodes
-    each holds at once (the episodes in flight are bounded by their product). num_train_episodes / num_val_episodes:
-    the episodes (environment seeds 0.. and 1_000_000..) that make the training prompts and the held-out set.
+    env / env_kwargs: the environment (a name in `baton.agentic.env.ENVIRONMENTS`, or the import path of a factory,
+    "package.module:Class") and its arguments. max_turns: model turns per episode at most. max_tokens_per_turn: one
+    turn's tokens at most. max_tokens: the whole trajectory's tokens (model and environment) at most. env_timeout_s:
+    one environment call at most (then the sample fails). num_env_processes / episodes_per_env_process: the
+    processes the environments run in, and the episodes each holds at once (the episodes in flight are bounded by
+    their product). num_train_episodes / num_val_episodes: the episodes (environment seeds 0.. and 1_000_000..) that
+    make the training prompts and the held-out set.
     """
 
-    env: str = "baton.agentic.env:GuessNumberEnv"
+    env: str = "guess_number"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4
     max_tokens_per_turn: int = 6
@@ -59,6 +61,7 @@ class AgenticSettings:
             raise ValueError(f"agentic.num_val_episodes={self.num_val_episodes} must be >= 0")
         if self.env_timeout_s <= 0:
             raise ValueError(f"agentic.env_timeout_s={self.env_timeout_s} must be > 0")
+        ENVIRONMENTS.get(self.env, key="agentic.env")  # a bad name or import path fails when the config is read
 
 
 VAL_SEED_OFFSET = 1_000_000
@@ -67,9 +70,7 @@ VAL_SEED_OFFSET = 1_000_000
 def episode_rows(settings: AgenticSettings, seeds) -> list[dict[str, Any]]:
     """Prompt rows, one per environment seed: the episode's first observation as the prompt, the seed in
     `env_seed` (the generate function resets the environment with it)."""
-    from baton.config import import_object
-
-    env = import_object(settings.env)(**settings.env_kwargs)
+    env = ENVIRONMENTS.get(settings.env)(**settings.env_kwargs)
     return [{"prompt": env.reset(seed), "env_seed": int(seed)} for seed in seeds]
 
 
