@@ -1,16 +1,35 @@
 """`RolloutSystemConfig`: how the rollout system generates a step's samples and how far generation runs ahead of
-training (`mode`). Functions are import paths ("package.module:function"), loaded when the manager starts."""
+training (`mode`). Its functions are each a name in that plug-in's registry or an import path
+("package.module:function"), resolved when the config is built, before anything starts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.config.registry import Registry
+
 MODES = ("sync", "one_step_off", "async")
+
+# The registry of each plug-in setting; the shipped functions are named by import path (imported on first use).
+ROLLOUT_FUNCTIONS = Registry("rollout function", {"generate_rollout": "baton.rollout.functions:generate_rollout",
+                                                  "sft_rollout": "baton.rollout.functions:sft_rollout"})
+GENERATE_FUNCTIONS = Registry("generate function", {
+    "generate_sample": "baton.rollout.functions:generate_sample",
+    "generate_trajectory": "baton.agentic.rollout:generate_trajectory"})
+REWARD_FUNCTIONS = Registry("rollout reward function", {"trajectory_reward": "baton.agentic.rollout:trajectory_reward"})
+EVAL_FUNCTIONS = Registry("eval function", {"eval_rollout": "baton.rollout.functions:eval_rollout"})
+DYNAMIC_FILTERS = Registry("dynamic filter", {"nonzero_reward_std": "baton.rollout.functions:nonzero_reward_std"})
+BUFFER_FILTERS = Registry("buffer filter", {"take_first": "baton.rollout.data_source:take_first"})
+PLUGINS = {"rollout_function": ROLLOUT_FUNCTIONS, "generate_function": GENERATE_FUNCTIONS,
+           "reward_function": REWARD_FUNCTIONS, "eval_function": EVAL_FUNCTIONS, "dynamic_filter": DYNAMIC_FILTERS,
+           "buffer_filter": BUFFER_FILTERS}
 
 
 @dataclass
 class RolloutSystemConfig:
     """The rollout system's settings (`rollout_system:` in an RLVR config run by `RolloutRLVRPipeline`).
+
+    Each function below is a name in its registry (`PLUGINS`) or an import path "package.module:function".
 
     mode: "sync" generates step N's samples, then trains on them; "one_step_off" generates step N+1's while step N
         trains (its tokens are at most one version old); "async" generates continuously, admitting a prompt group
@@ -53,10 +72,10 @@ class RolloutSystemConfig:
 
     mode: str = "sync"
     max_staleness: int = 1
-    rollout_function: str = "baton.rollout.functions:generate_rollout"
+    rollout_function: str = "generate_rollout"
     generate_function: str | None = None
     reward_function: str | None = None
-    eval_function: str = "baton.rollout.functions:eval_rollout"
+    eval_function: str = "eval_rollout"
     over_sampling_factor: float = 1.0
     dynamic_filter: str | None = None
     max_groups_started_factor: float = 8.0
@@ -111,3 +130,6 @@ class RolloutSystemConfig:
             raise ValueError("rollout_system.rollout_only with load_rollouts would neither generate nor train; set one")
         if self.mask_stale_partial_tokens and not self.partial_rollout:
             raise ValueError("rollout_system.mask_stale_partial_tokens needs partial_rollout: true")
+        for name, registry in PLUGINS.items():
+            if getattr(self, name) is not None:
+                registry.get(getattr(self, name), key=f"rollout_system.{name}")

@@ -8,10 +8,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from baton.config import import_object
 from baton.datasets import DataError, PromptDataset, PromptSampler
 from baton.rewards import DATA_SOURCE
 from baton.rewards.routing import UNKNOWN_DATA_SOURCE
+from baton.rollout.config import BUFFER_FILTERS
 from baton.rollout.sample import Sample
 
 BufferFilter = Callable[[list[list[Sample]], int], list[list[Sample]]]
@@ -49,7 +49,8 @@ class RolloutDataSource:
     of the buffer (oldest group first) and the number of groups wanted, returns at most `num_groups` distinct groups
     of that list (the list objects themselves, in the order to hand them out); the data source removes exactly those
     from its buffer and fills the rest of the request from the dataset. The filter must not modify the groups. It
-    is a callable or an import path "package.module:fn"; the default (`take_first`) takes the oldest groups.
+    is a callable, a name in `BUFFER_FILTERS` or an import path "package.module:fn"; the default (`take_first`)
+    takes the oldest groups.
 
     `state_dict()` holds the sampler's position, the group counter and every buffered group (partly generated
     samples with their tokens, log-probs, versions and status), so a restored source continues exactly.
@@ -64,7 +65,7 @@ class RolloutDataSource:
         self.dataset, self.tokenizer = dataset, tokenizer
         self.num_samples_per_prompt, self.seed, self.max_prompt_len = num_samples_per_prompt, seed, max_prompt_len
         self.buffer_filter_name = buffer_filter if isinstance(buffer_filter, str) else None
-        self.buffer_filter: BufferFilter = (import_object(buffer_filter) if isinstance(buffer_filter, str)
+        self.buffer_filter: BufferFilter = (BUFFER_FILTERS.get(buffer_filter) if isinstance(buffer_filter, str)
                                             else buffer_filter or take_first)
         self.sampler = PromptSampler(len(dataset), seed=seed)
         self.next_group_index = 0

@@ -26,14 +26,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from baton.config import import_object
 from baton.data import DataProto
 from baton.distributed import Cluster
 from baton.engines.loop import LoopThread
 from baton.engines.protocol import GenerationRequest, GenerationResult
 from baton.rewards import DATA_SOURCE, PRED
 from baton.rl.metrics import validation_set_metrics
-from baton.rollout.config import RolloutSystemConfig
+from baton.rollout.config import PLUGINS, RolloutSystemConfig
 from baton.rollout.data_source import RolloutDataSource
 from baton.rollout.dump import load_rollout, save_rollout
 from baton.rollout.engine_worker import WEIGHT_SYNC_TIMEOUT_S
@@ -49,13 +48,8 @@ from baton.workers.weight_sync import ModelUpdatePair
 ADMIT_CHUNK = 8  # groups the async producer starts between two turns of the event loop
 
 
-def _load(path: str | None, what: str) -> Callable | None:
-    if path is None:
-        return None
-    try:
-        return import_object(path)
-    except Exception as error:
-        raise ValueError(f"rollout_system.{what} {path!r} cannot be imported: {error}") from error
+def _load(name: str | None, what: str) -> Callable | None:
+    return None if name is None else PLUGINS[what].get(name, key=f"rollout_system.{what}")
 
 
 class RolloutContext:
