@@ -427,7 +427,7 @@ def vllm_rlvr(**roles) -> RLVRConfig:
 def test_vllm_is_refused_for_roles_other_than_the_rollout(role):
     kind = "value" if role == "critic" else "causal_lm"
     config = vllm_rlvr(**{role: RoleConfig(strategy=StrategyConfig(name="vllm", kind=kind))})
-    with pytest.raises(ConfigError, match=f"{role}.strategy.name is 'vllm', an inference engine.*{role}.strategy.name=hf"):
+    with pytest.raises(ConfigError, match=f"{role}.strategy.name is 'vllm', an inference engine.*{role}.strategy.name=fsdp2 / hf / mock "):
         check_roles(config, config.trainer)
 
 

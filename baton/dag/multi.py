@@ -36,7 +36,7 @@ from baton.data import DataProto
 from baton.distributed import Dispatch, JoinedData, Worker, register
 from baton.rl import RLAlgorithm
 from baton.strategy import SamplingParams
-from baton.strategy.capabilities import capabilities
+from baton.strategy.capabilities import can_share_weights
 
 STATUS_RANK = {NodeStatus.FAILED: 3, NodeStatus.SKIPPED: 2, NodeStatus.PENDING: 1, NodeStatus.COMPLETED: 0}
 
@@ -107,7 +107,7 @@ class DAGWorker(Worker):
         process (`Capabilities.shares_weights`: nothing is copied), else gathered parameter by parameter (every rank
         takes part) and loaded."""
         actor, rollout = self.colocated_worker("actor").strategy, self.colocated_worker("rollout").strategy
-        if shares_weights(self.config.actor.strategy.name, self.config.rollout.strategy.name):
+        if can_share_weights(self.config.actor.strategy.name, self.config.rollout.strategy.name):
             rollout.share_weights_from(actor)
             return
         full = {}
@@ -242,11 +242,6 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = float(np.mean(values))
     return out
-
-
-def shares_weights(actor_backend: str, rollout_backend: str) -> bool:
-    """Whether a colocated actor and rollout share tensors: the same backend, one that can."""
-    return actor_backend == rollout_backend and capabilities(actor_backend).shares_weights
 
 
 def baseline_sampling(config) -> SamplingParams | None:

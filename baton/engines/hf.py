@@ -20,10 +20,16 @@ from typing import Iterable
 
 import torch
 
-from baton.engines.protocol import GenerationRequest, GenerationResult
+from baton.data import DataProto
+from baton.engines.loop import LoopThread
+from baton.engines.protocol import GenerationRequest, GenerationResult, ServedEngine
 from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
+from baton.strategy.logprobs import RLHead, position_ids_from_mask
+from baton.strategy.padding import pad_responses, trim_padding
 from baton.strategy.sampling import DecodeBatch
+
+PROBE_TIMEOUT_S = 120.0  # one forward pass of a few rows, after the step in flight
 
 
 class HFEngine(ServingLoop):
@@ -33,10 +39,12 @@ class HFEngine(ServingLoop):
         elsewhere while the engine works). tokenizer: its pad and eos ids are used.
     seed: seeds the seeds of requests that bring none. max_num_seqs: rows in the running batch at most; more
         requests wait. compute_dtype: autocast dtype (mixed precision, as `StrategyConfig.compute_dtype`), or None.
+    logprob_chunk_size: tokens per chunk when `log_probs` turns hidden states into log-probs (as
+        `StrategyConfig.logprob_chunk_size`).
     """
 
     def __init__(self, model, tokenizer, *, seed: int = 0, max_num_seqs: int = 256,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, logprob_chunk_size: int = 1024):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.model = model.eval()
@@ -46,7 +54,9 @@ class HFEngine(ServingLoop):
             return (contextlib.nullcontext() if compute_dtype is None
                     else torch.autocast(self.device.type, dtype=compute_dtype))
 
+        self._autocast = autocast
         self._batch = DecodeBatch(self.model, tokenizer.pad_token_id, autocast)  # executor thread only
+        self._head = RLHead(self.model, "causal_lm", logprob_chunk_size)  # log-probs as the strategies compute them
         super().__init__(ThreadPoolExecutor(1, thread_name_prefix="hf-engine"), model.config.vocab_size,
                          tokenizer.eos_token_id)
         self.max_num_running = max_num_seqs  # rows in the running batch at most
@@ -62,7 +72,7 @@ class HFEngine(ServingLoop):
             raise ValueError(f"an engine generates with a causal LM; this config's kind is {config.kind!r}")
         model = build_role_model(config).to(device or default_device())
         return cls(model, load_tokenizer(config.tokenizer), seed=config.seed,
-                   compute_dtype=config.mixed_precision_dtype, **kwargs)
+                   compute_dtype=config.mixed_precision_dtype, logprob_chunk_size=config.logprob_chunk_size, **kwargs)
 
     name = "hf"
 
@@ -81,7 +91,26 @@ class HFEngine(ServingLoop):
         there is nothing to release (a no-op but for holding steps until `wake_up`)."""
         return self.device.type == "cuda"
 
+    async def log_probs(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        """"log_probs" [rows, response_len] of the batch's given (right-padded) responses by the engine's weights at
+        `temperature`, as the strategies' `forward` computes them, in the engine's step thread between two steps
+        (the weight-sync probe)."""
+        return await self.run_between_steps(self._log_probs, batch, temperature)
+
     # --- the executor's work ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _log_probs(self, batch: DataProto, temperature: float) -> DataProto:
+        batch, tail = trim_padding(batch)  # as the strategies run it: without its all-padding columns
+        data = batch.batch
+        attention_mask = data["attention_mask"].to(self.device)
+        position_ids = (data["position_ids"].to(self.device) if "position_ids" in data
+                        else position_ids_from_mask(attention_mask))
+        with self._autocast():
+            out = self._head(data["input_ids"].to(self.device), attention_mask, position_ids,
+                             data["responses"].to(self.device), temperature, with_entropy=False)
+        padded = pad_responses({"log_probs": out["log_probs"]}, tail)
+        return DataProto.from_dict({"log_probs": padded["log_probs"].cpu()})
 
     def _step(self, new: list[Sequence], cancelled: set[str]) -> list[GenerationResult]:
         """Drop `cancelled`, then one `DecodeBatch.step`: admit `new`, a token per row, the finished rows out."""
@@ -116,3 +145,16 @@ class HFEngine(ServingLoop):
 
     def _retake(self) -> None:
         self.model.to(self.device)
+
+
+def serve(config: StrategyConfig, max_num_seqs: int = 256) -> ServedEngine:
+    """The `hf` backend's engine for the rollout system (its `Capabilities.engine`): the model built from a role's
+    `StrategyConfig` as the `hf` strategy builds it, with no strategy around it (no optimizer, no training state); the
+    sync probe's log-probs come from that model, between two of the engine's steps."""
+    engine = HFEngine.from_config(config, max_num_seqs=max_num_seqs)
+    runner = LoopThread("hf-engine")
+
+    def log_probs(batch: DataProto, temperature: float) -> DataProto:
+        return runner.run(engine.log_probs(batch, temperature), PROBE_TIMEOUT_S)
+
+    return ServedEngine(engine, runner, log_probs)

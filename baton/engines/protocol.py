@@ -6,17 +6,20 @@ prompt's several samples are several requests with the same prompt ids (and thei
 share their prefill (the `hf` engine does for requests admitted together; vLLM's prefix cache does). One
 sample per request keeps abort, resume and per-sample weight versions simple: each has one answer.
 
-An engine does only what serving does: no training, forward log-probs, checkpoints or export.
+An engine does only what serving does: no training, checkpoints or export. The log-probs of given tokens (the
+weight-sync probe) are not in the protocol: a backend's engine factory supplies them beside it (`ServedEngine`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol, runtime_checkable
+from typing import Callable, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
+from baton.data import DataProto
+from baton.engines.loop import LoopThread
 from baton.strategy.base import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -154,3 +157,21 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Abort what is in flight (their `generate` calls return "abort" results) and release the engine's
         threads and memory; it serves nothing after."""
+
+
+@dataclass(frozen=True)
+class ServedEngine:
+    """An engine with what serving it from a worker takes beside it: what a backend's engine factory builds
+    (`Capabilities.engine`) and a rollout-system `EngineWorker` holds.
+
+    engine: the `Engine`.
+    runner: the event-loop thread every call to the engine runs on; the engine keeps generating there between calls.
+    log_probs: `(batch, temperature) -> DataProto` with "log_probs" [rows, response_len]: the log-probs of the batch's
+        given (right-padded) responses by the engine's current weights (the weight-sync probe; the `Engine` protocol
+        does no scoring). Called from a worker thread; it runs between two of the engine's steps, so requests in
+        flight wait for it and no weight load changes the model meanwhile.
+    """
+
+    engine: Engine
+    runner: LoopThread
+    log_probs: Callable[[DataProto, float], DataProto]

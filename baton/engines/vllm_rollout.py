@@ -24,6 +24,7 @@ import torch
 from baton.data import DataProto
 from baton.engines.batch import generate_batch
 from baton.engines.loop import LoopThread
+from baton.engines.protocol import ServedEngine
 from baton.models import load_tokenizer
 from baton.strategy.base import SamplingParams, StrategyConfig
 
@@ -44,6 +45,13 @@ def require_vllm() -> None:
     """Raise ImportError, with the install command, where vLLM is not installed (without importing it)."""
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(f"the 'vllm' strategy needs vLLM, which is not installed; {INSTALL_HINT}")
+
+
+def serve(config: StrategyConfig, max_num_seqs: int = 256) -> ServedEngine:
+    """The `vllm` backend's engine for the rollout system (its `Capabilities.engine`): a rollout's engine and event
+    loop, and its `forward` (vLLM's prompt log-probs) for the sync probe."""
+    rollout = VLLMRollout(config, max_num_seqs=max_num_seqs)
+    return ServedEngine(rollout.engine, rollout.runner, rollout.forward)
 
 
 class VLLMRollout:

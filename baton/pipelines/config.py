@@ -16,6 +16,7 @@ from baton.datasets.config import DataConfig
 from baton.distributed import WorkerConfig
 from baton.rl.config import AlgorithmConfig, KLControlConfig, check_choice
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
+from baton.strategy.capabilities import Capabilities, backends_that, capabilities
 
 # "policy": actor + rollout fused
 MODEL_ROLES = ("actor", "rollout", "reference", "teacher", "critic", "reward_model", "policy")
@@ -248,9 +249,13 @@ class RLVRConfig:
                 raise ConfigError(f"reward_model.strategy.kind is {self.reward_model.strategy.kind!r}, but a "
                                   f"{self.reward_model_settings.type} reward model is kind {wanted!r}: set "
                                   f"reward_model.strategy.kind: {wanted}, or reward_model_settings.type")
-            if self.reward_model.strategy.name not in ("hf", "fsdp2"):
-                raise ConfigError(f"reward_model.strategy.name {self.reward_model.strategy.name!r}: a reward model "
-                                  "runs on 'hf' or 'fsdp2'")
+            # A reward model holds a model of its own (frozen); a judge also generates.
+            needs = ("trains", "generates") if self.reward_model_settings.type == "generative" else ("trains",)
+            can = strategy_capabilities("reward_model.strategy", self.reward_model.strategy)
+            if not all(getattr(can, what) for what in needs):
+                able = sorted(set.intersection(*(set(backends_that(what)) for what in needs)))
+                raise ConfigError(f"reward_model.strategy.name {self.reward_model.strategy.name!r}: a "
+                                  f"{self.reward_model_settings.type} reward model runs on {' or '.join(able)}")
         if trainer.num_prompts_per_step % algo.num_mini_batches_per_step:
             raise ConfigError(
                 f"trainer.num_prompts_per_step={trainer.num_prompts_per_step} does not split into "
@@ -277,9 +282,9 @@ class RLVRConfig:
         if self.colocate_actor_rollout and self.rollout.cpu_cores not in (None, self.actor.cpu_cores):
             raise ConfigError("colocate_actor_rollout puts actor and rollout in the same processes, which run on "
                               "actor.cpu_cores: set it there and leave rollout's unset")
-        if self.rollout.strategy.name == "vllm":
-            _check_vllm_sampling(self.sampling, "sampling")
-            _check_vllm_sampling(self.val_sampling, "val_sampling")
+        if strategy_capabilities("rollout.strategy", self.rollout.strategy).filtered_log_probs:
+            _check_unfiltered_sampling(self.sampling, "sampling", self.rollout.strategy.name)
+            _check_unfiltered_sampling(self.val_sampling, "val_sampling", self.rollout.strategy.name)
         _check_reward_fn(self.reward_fn, self.reward_on_error)
         buffer, max_new_tokens = self.overlong_buffer.len, self.sampling.max_new_tokens
         if buffer and buffer >= max_new_tokens:
@@ -323,13 +328,25 @@ def _check_data(data: DataConfig | None) -> None:
         raise ConfigError("no data: add a `data:` section (task: arithmetic, or task: files with train_path)")
 
 
-def _check_vllm_sampling(sampling: SamplingConfig, key: str) -> None:
-    """vLLM reports the log-probs of the top-k / top-p filtered distribution, not the temperature-scaled one the
-    actor recomputes (and the `vllm` engine refuses such requests): refuse the filters before any worker starts."""
+def strategy_capabilities(key: str, strategy: StrategyConfig) -> Capabilities:
+    """What a role's backend can do (`key`: the role's strategy section, for the message); ConfigError where its name
+    is neither registered nor an import path that loads."""
+    try:
+        return capabilities(strategy.name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{key}.name: {e}") from e
+
+
+def _check_unfiltered_sampling(sampling: SamplingConfig, key: str, rollout: str) -> None:
+    """A rollout with `Capabilities.filtered_log_probs` (vLLM) reports the log-probs of the top-k / top-p filtered
+    distribution, not the temperature-scaled one the actor recomputes (and the `vllm` engine refuses such requests):
+    refuse the filters before any worker starts."""
     if sampling.temperature > 0 and (sampling.top_k > 0 or sampling.top_p < 1):
+        unfiltered = [name for name in backends_that("generates") if name not in backends_that("filtered_log_probs")]
         raise ConfigError(f"{key}.top_k={sampling.top_k} / {key}.top_p={sampling.top_p} with rollout.strategy.name "
-                          "vllm: vLLM's log-probs would be the filtered distribution's, which the actor does not "
-                          f"recompute; set {key}.top_k=0 and {key}.top_p=1.0, or use rollout.strategy.name=hf")
+                          f"{rollout}: its log-probs would be the filtered distribution's, which the actor does not "
+                          f"recompute; set {key}.top_k=0 and {key}.top_p=1.0, or use rollout.strategy.name="
+                          f"{' / '.join(unfiltered)}")
 
 
 def _check_reward_fn(spec: str | dict[str, str], on_error: str) -> None:

@@ -27,6 +27,7 @@ from baton.datasets.load import load_datasets
 from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.strategy import OptimizerConfig, StrategyConfig
+from baton.strategy.capabilities import backends_that, can_share_weights, capabilities
 from baton.workers import RewardWorker, TeacherWorker
 
 MODES = ("off_policy", "on_policy")
@@ -134,10 +135,12 @@ class DistillConfig:
                               f"with {vocab['actor']}")
         if teacher.strategy.kind != "causal_lm":
             raise ConfigError(f"teacher.strategy.kind is {teacher.strategy.kind!r}; a teacher is a causal LM")
-        # The teacher scores and generates (its held-out accuracy; teacher responses): the hf strategy does both.
-        if teacher.strategy.name != "hf":
-            raise ConfigError(f"teacher.strategy.name {teacher.strategy.name!r}: the teacher runs on the 'hf' strategy "
-                              "(it computes top-k log-probs and generates)")
+        # The teacher scores (top-k log-probs) and generates (its held-out accuracy; teacher responses).
+        can = capabilities(teacher.strategy.name)
+        if not (can.top_k_log_probs and can.generates):
+            able = sorted(set(backends_that("top_k_log_probs")) & set(backends_that("generates")))
+            raise ConfigError(f"teacher.strategy.name {teacher.strategy.name!r}: a teacher computes top-k log-probs and "
+                              f"generates, which {', '.join(able)} do; set teacher.strategy.name to one of them")
         samples = 1 if self.response_source == "dataset" else self.sampling.num_samples_per_prompt
         rows = self.trainer.num_prompts_per_step * samples
         workers = self.actor.num_workers("actor")
@@ -166,7 +169,7 @@ class DistillPipeline(Pipeline):
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         # Validation (and on-policy sampling) runs an hf rollout that shares (or receives) the student's weights.
         rollout = validation_rollout(config.actor)
-        colocate = config.actor.strategy.name == "hf"
+        colocate = can_share_weights(config.actor.strategy.name, rollout.strategy.name)
         clusters = self.create_clusters({
             **policy_roles(config.actor, rollout),
             "teacher": (TeacherWorker, config.teacher, (config.teacher.strategy,)),

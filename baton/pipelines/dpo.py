@@ -28,6 +28,7 @@ from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, Samp
 from baton.datasets.load import load_datasets
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.strategy import OptimizerConfig, StrategyConfig
+from baton.strategy.capabilities import can_share_weights
 from baton.workers import ReferenceWorker, RewardWorker
 
 # The loss's metrics, by TRL's names; the strategy reports each as its mean over the step's pairs.
@@ -177,7 +178,7 @@ class DPOPipeline(Pipeline):
         self.sampler = PromptSampler(len(self.train_data) // 2, seed=config.trainer.seed)  # over pairs
         # Validation generates with an hf rollout that shares (or receives) the actor's weights, as in SFT.
         rollout = validation_rollout(config.actor)
-        colocate = config.actor.strategy.name == "hf"
+        colocate = can_share_weights(config.actor.strategy.name, rollout.strategy.name)
         roles = {**policy_roles(config.actor, rollout),
                  "reward": (RewardWorker, config.reward, (
                      config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,

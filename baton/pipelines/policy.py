@@ -9,6 +9,7 @@ from baton.datasets import PromptDataset, collate_prompts
 from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.rl.metrics import reward_error_count, validation_set_metrics
+from baton.strategy.capabilities import can_share_weights
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
@@ -33,14 +34,14 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
                    probe_data: PromptDataset | None, tokenizer) -> ModelUpdatePair:
     """The actor → rollout ModelUpdatePair, synced once so both start from the actor's weights.
 
-    colocated (built with FUSED_POLICY): when both roles use the `hf` strategy the sync shares
-    tensors instead of copying them.
+    colocated (built with FUSED_POLICY): when both roles run on one backend that shares weights in process
+    (`can_share_weights`, e.g. both `hf`), the sync shares tensors instead of copying them.
     """
     probe = None
     if probe_data is not None and len(probe_data):
         examples = [probe_data[i] for i in range(min(4, len(probe_data)))]
         probe = probe_batch(tokenizer, [str(e[probe_data.prompt_key]) + str(e[probe_data.answer_key]) for e in examples], 1)
-    share = colocated and actor.strategy.name == rollout.strategy.name == "hf"
+    share = colocated and can_share_weights(actor.strategy.name, rollout.strategy.name)
     pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe, atol=probe_tolerance(actor, rollout),
                            share_role="actor" if share else None)
     pair.sync()

@@ -11,15 +11,14 @@ import json
 import os
 import sys
 
-from baton.config import ConfigError
+from baton.config import ConfigError, import_object
 from baton.distributed.worker import usable_cpu_count
-from baton.pipelines.config import RoleConfig, TrainerConfig, WorkerSettings
+from baton.pipelines.config import RoleConfig, TrainerConfig, WorkerSettings, strategy_capabilities
 from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
-from baton.strategy import StrategyConfig, strategy_class
+from baton.strategy import StrategyConfig
+from baton.strategy.capabilities import backends_that, capabilities, strategy_class
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
-INFERENCE_STRATEGIES = ("vllm",)  # generate and take weights only: the rollout role's
-MULTI_GPU_STRATEGIES = ("vllm",)  # drive several GPUs from one worker process (vLLM's tensor parallelism)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -27,44 +26,46 @@ def check_roles(config, trainer: TrainerConfig) -> None:
     """Raise ConfigError for a role whose strategy or model cannot load, or a layout the machine cannot hold."""
     roles = model_roles(config)
     for name, role in roles.items():  # before the strategies load: a role given an engine is a mistake either way
-        if role.strategy.name in INFERENCE_STRATEGIES and name != "rollout":
+        can = strategy_capabilities(f"{name}.strategy", role.strategy)
+        if not can.trains and name != "rollout":
             raise ConfigError(
                 f"{name}.strategy.name is {role.strategy.name!r}, an inference engine: it generates and takes the "
                 f"actor's weights, but trains nothing, exports no weights and saves no checkpoints, so it serves the "
-                f"rollout role only; use {name}.strategy.name=hf (or fsdp2) and keep {role.strategy.name!r} for "
-                "rollout.strategy.name")
-        if role.strategy.engine_kwargs and role.strategy.name not in INFERENCE_STRATEGIES:
+                f"rollout role only; use {name}.strategy.name={' / '.join(backends_that('trains'))} and keep "
+                f"{role.strategy.name!r} for rollout.strategy.name")
+        if role.strategy.engine_kwargs and not can.takes_engine_kwargs:
             raise ConfigError(
                 f"{name}.strategy.engine_kwargs {sorted(role.strategy.engine_kwargs)} are an inference engine's settings, "
                 f"but {name}.strategy.name is {role.strategy.name!r}, which takes none; remove them, or use "
-                f"{' / '.join(INFERENCE_STRATEGIES)} for the rollout")
+                f"{' / '.join(backends_that('takes_engine_kwargs'))} for the rollout")
     for name, role in roles.items():
         check_strategy(f"{name}.strategy", role.strategy)
         workers = role.num_workers(name)
-        if name in TRAINING_ROLES and role.strategy.name == "hf" and workers > 1:
+        if name in TRAINING_ROLES and not capabilities(role.strategy.name).trains_over_workers and workers > 1:
             raise ConfigError(
-                f"{name}.strategy.name is 'hf' with {workers} {name} workers: the 'hf' strategy keeps an independent model "
-                f"per worker, so they would drift apart; use {name}.strategy.name=fsdp2 to train one model over "
-                f"{workers} workers, or {name}.world_size=1")
+                f"{name}.strategy.name is {role.strategy.name!r} with {workers} {name} workers: that strategy keeps an "
+                f"independent model per worker, so they would drift apart; use {name}.strategy.name="
+                f"{' / '.join(backends_that('trains_over_workers'))} to train one model over {workers} workers, or "
+                f"{name}.world_size=1")
     check_machine(config, trainer)
 
 
 def check_devices_per_worker(roles: dict[str, RoleConfig], has_gpus: bool) -> None:
     """On GPUs, a worker of several devices sees them all, but only a strategy that drives several GPUs from one
-    process (MULTI_GPU_STRATEGIES) uses more than the first; refuse the others. On CPU slots several devices per
-    worker are more CPUs (threads) for it, for any strategy. `has_gpus`: whether the slots are GPUs (the local Ray
-    instance's, or a `ResourceManager.device_kind` once reserved)."""
+    process (`Capabilities.devices_per_worker`) uses more than the first; refuse the others. On CPU slots several
+    devices per worker are more CPUs (threads) for it, for any strategy. `has_gpus`: whether the slots are GPUs (the
+    local Ray instance's, or a `ResourceManager.device_kind` once reserved)."""
     if not has_gpus:
         return
     for name, role in roles.items():
-        if role.num_devices_per_worker > 1 and role.strategy.name not in MULTI_GPU_STRATEGIES:
+        if role.num_devices_per_worker > 1 and not capabilities(role.strategy.name).devices_per_worker:
             raise ConfigError(
                 f"{name}.num_devices_per_worker={role.num_devices_per_worker} on GPUs with {name}.strategy.name="
                 f"{role.strategy.name!r}: that strategy runs its model on one GPU per worker process, so the other "
                 f"{role.num_devices_per_worker - 1} would sit idle. Use one worker per GPU: "
-                f"{name}.num_devices_per_worker=1 with {name}.world_size set to the GPU count (fsdp2 shards one model "
-                f"over its workers); several GPUs per worker are for {', '.join(MULTI_GPU_STRATEGIES)} (tensor "
-                "parallel) rollouts")
+                f"{name}.num_devices_per_worker=1 with {name}.world_size set to the GPU count "
+                f"({' / '.join(backends_that('trains_over_workers'))} shards one model over its workers); several GPUs per worker are for "
+                f"{', '.join(backends_that('devices_per_worker'))} (tensor parallel) rollouts")
 
 
 def check_strategy(key: str, strategy: StrategyConfig) -> None:
@@ -75,11 +76,10 @@ def check_strategy(key: str, strategy: StrategyConfig) -> None:
         strategy_class(strategy.name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{key}.name: {e}") from e
-    if strategy.name == "vllm":  # its module imports without vLLM, which the strategy needs once built
-        from baton.engines.vllm_rollout import require_vllm
-
+    check_installed = strategy_capabilities(key, strategy).check_installed
+    if check_installed is not None:  # its module imports without the packages it needs once built
         try:
-            require_vllm()
+            import_object(check_installed)()
         except ImportError as e:
             raise ConfigError(f"{key}.name: {e}") from e
     model = strategy.model

@@ -9,6 +9,7 @@ from baton.pipelines.base import Pipeline
 from baton.pipelines.config import SFTConfig
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
 from baton.rl.losses import SFTLoss
+from baton.strategy.capabilities import can_share_weights
 from baton.workers import RewardWorker
 
 
@@ -21,7 +22,7 @@ class SFTPipeline(Pipeline):
         self.sampler = PromptSampler(len(self.train_data), seed=config.trainer.seed)
         # Validation generates with an hf rollout that shares (or receives) the actor's weights.
         rollout = validation_rollout(config.actor)
-        colocate = config.actor.strategy.name == "hf"
+        colocate = can_share_weights(config.actor.strategy.name, rollout.strategy.name)
         clusters = self.create_clusters({**policy_roles(config.actor, rollout),
                                          "reward": (RewardWorker, config.reward, (
                                              config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,

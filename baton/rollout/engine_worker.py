@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass
 
 from baton.data import DataProto
+from baton.config import import_object
 from baton.distributed import Dispatch, Worker, register
-from baton.engines.loop import LoopThread
-from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationResult
-from baton.strategy import StrategyConfig, create_strategy
+from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationResult, ServedEngine
+from baton.strategy import StrategyConfig
+from baton.strategy.capabilities import backends_that, capabilities
 from baton.strategy.logprobs import sampling_temperature
 from baton.workers.model import _fetch
 
-ENGINE_STRATEGIES = ("hf", "vllm")
 CONTROL_TIMEOUT_S = 120.0  # abort, pause, health, sleep: each returns at a decode-step boundary
 WEIGHT_SYNC_TIMEOUT_S = 600.0  # one weight update, copies included
 
@@ -39,25 +39,18 @@ class RequestFailure:
 
 
 class EngineWorker(Worker):
-    """An engine built from a rollout role's `StrategyConfig`: `hf` (the shipped sampling loop, continuously batched,
-    over the hf strategy's model) or `vllm`. The strategy stays beside it for what serving does not do: the
-    log-probs of the sync probe (`compute_log_probs`, scored between two of its steps)."""
+    """The engine that a rollout role's backend builds for serving (`Capabilities.engine`, e.g. the `hf` engine over
+    the model alone, no strategy around it, or `vllm`), with the log-probs of the sync probe beside it
+    (`compute_log_probs`, scored between two of its steps)."""
 
     def __init__(self, config: StrategyConfig, max_num_seqs: int = 256):
-        if config.name not in ENGINE_STRATEGIES:
-            raise ValueError(f"a rollout engine runs strategy 'hf' or 'vllm', not {config.name!r}; set "
+        engine = capabilities(config.name).engine
+        if engine is None:
+            raise ValueError(f"a rollout engine runs on a backend that serves requests "
+                             f"({', '.join(backends_that('serves_requests'))}), not {config.name!r}; set "
                              "rollout.strategy.name")
-        self.config = config
-        if config.name == "vllm":
-            self.strategy = create_strategy(config, max_num_seqs=max_num_seqs)
-            self.engine, self.runner = self.strategy.engine, self.strategy.runner
-        else:
-            from baton.engines.hf import HFEngine
-
-            self.strategy = create_strategy(config)
-            self.engine = HFEngine(self.strategy.hf_model, self.strategy.tokenizer, seed=config.seed,
-                                   max_num_seqs=max_num_seqs, compute_dtype=config.mixed_precision_dtype)
-            self.runner = LoopThread("hf-engine")
+        self.served: ServedEngine = import_object(engine)(config, max_num_seqs)
+        self.engine, self.runner = self.served.engine, self.served.runner
         self._done: queue.Queue = queue.Queue()  # results and failures, filled by the loop thread
 
     # --- requests ----------------------------------------------------------------------------------
@@ -134,13 +127,8 @@ class EngineWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: DataProto) -> DataProto:
         """The sync probe: log-probs of given responses by the engine's weights (see `ModelUpdatePair.check`), scored
-        between two of the engine's steps (its requests in flight wait one forward pass; nothing else is held). The
-        vllm strategy's forward does that itself, through its engine; the hf engine's model is the strategy's."""
-        temperature = sampling_temperature(batch)
-        if self.config.name == "vllm":
-            return self.strategy.forward(batch, temperature=temperature)
-        return self.runner.run(self.engine.run_between_steps(self.strategy.forward, batch, temperature),
-                               CONTROL_TIMEOUT_S)
+        between two of the engine's steps (its requests in flight wait one forward pass; nothing else is held)."""
+        return self.served.log_probs(batch, sampling_temperature(batch))
 
     @register(Dispatch.ONE_TO_ALL)
     def offload(self) -> None:

@@ -1,58 +1,104 @@
-"""What each model backend can do, declared once: preflight, pipelines and workers ask this table, never a name.
+"""The model backends, declared once: `BACKENDS` holds each name's strategy class (by import path) and what it can do.
 
-A backend named by import path ("package.module:Class") declares its own with a class attribute `capabilities`
-(a `Capabilities`); one that declares none is taken to train and generate in one process, as the `hf` strategy does
-but without sharing tensors or serving requests.
+Preflight, pipelines and workers ask this registry (`capabilities`, `backends_that`, `can_share_weights`), never a
+backend's name. A strategy named by import path ("package.module:Class") declares its own with a class attribute
+`capabilities` (a `Capabilities`); one that declares none is taken to train and generate in one process, as the `hf`
+strategy does, but without sharing tensors or serving requests. (An import path may also name a `Backend`, and
+`BACKENDS["name"] = Backend(...)` registers one by name.)
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
+
+from baton.config import Registry, import_object
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """trains: steps an optimizer, exports weights and saves checkpoints (actor, critic, reference, reward model).
+    """trains: holds a model of its own: steps an optimizer, exports weights and saves checkpoints (actor, critic,
+        reference, reward model, teacher); without it a backend only takes weights (the rollout role's).
     generates: samples responses to a batch of prompts (`generate(DataProto)`).
-    serves_requests: runs as a request-level engine of the rollout system (`EngineWorker`).
-    shares_weights: two roles of this backend fused into one process can share tensors instead of copying them.
+    shares_weights: two roles of this backend fused into one process can share tensors instead of copying them
+        (`share_weights_from`).
     top_k_log_probs: computes the top-k log-probs of every response token (a distillation teacher).
     trains_over_workers: one model trained over several workers (sharded); without it each worker would keep a
         model of its own and they would drift apart.
     devices_per_worker: drives several devices from one worker process (tensor-parallel inference).
     filtered_log_probs: reports the log-probs of the top-k / top-p filtered distribution, which the actor does not
         recompute (so sampling filters are refused).
+    takes_engine_kwargs: passes `StrategyConfig.engine_kwargs` to the inference engine it runs on.
+    engine: import path of `fn(config: StrategyConfig, max_num_seqs: int) -> baton.engines.protocol.ServedEngine`,
+        the request-level engine that a rollout-system `EngineWorker` serves; None: it serves no requests.
+    check_installed: import path of `fn()` that raises ImportError, with the install command, where a package the
+        backend needs once built is missing (its module imports without it, so that preflight can say so first).
     """
 
     trains: bool = True
     generates: bool = True
-    serves_requests: bool = False
     shares_weights: bool = False
     top_k_log_probs: bool = False
     trains_over_workers: bool = False
     devices_per_worker: bool = False
     filtered_log_probs: bool = False
+    takes_engine_kwargs: bool = False
+    engine: str | None = None
+    check_installed: str | None = None
+
+    @property
+    def serves_requests(self) -> bool:
+        """Runs as a request-level engine of the rollout system (`EngineWorker`)."""
+        return self.engine is not None
 
 
-BACKENDS: dict[str, Capabilities] = {
-    "hf": Capabilities(serves_requests=True, shares_weights=True, top_k_log_probs=True),
-    "fsdp2": Capabilities(top_k_log_probs=True, trains_over_workers=True),
-    "mock": Capabilities(),
-    "vllm": Capabilities(trains=False, serves_requests=True, devices_per_worker=True, filtered_log_probs=True),
-}
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend: `strategy`, the import path "package.module:Class" of the class a role's worker builds
+    (imported on first use, so that e.g. the mock strategy does not import FSDP), and what it can do."""
+
+    strategy: str
+    capabilities: Capabilities
+
+
+BACKENDS: Registry[Backend] = Registry("strategy", {
+    "hf": Backend("baton.strategy.hf:HFStrategy", Capabilities(
+        shares_weights=True, top_k_log_probs=True, engine="baton.engines.hf:serve")),
+    "fsdp2": Backend("baton.strategy.fsdp2:Fsdp2Strategy", Capabilities(
+        generates=False, top_k_log_probs=True, trains_over_workers=True)),
+    "mock": Backend("baton.strategy.mock:MockStrategy", Capabilities()),
+    # A rollout only, on the vllm engine, so it lives in baton.engines (this layer imports no engine); needs vLLM
+    # (scripts/setup.sh --vllm).
+    "vllm": Backend("baton.engines.vllm_rollout:VLLMRollout", Capabilities(
+        trains=False, devices_per_worker=True, filtered_log_probs=True, takes_engine_kwargs=True,
+        engine="baton.engines.vllm_rollout:serve", check_installed="baton.engines.vllm_rollout:require_vllm")),
+})
+
+
+def strategy_class(name: str) -> type:
+    """The class for a registered name, or for an import path "package.module:Class" (ConfigError, a ValueError, for
+    anything else, with the valid names)."""
+    entry = BACKENDS.get(name)
+    return import_object(entry.strategy) if isinstance(entry, Backend) else entry
 
 
 def capabilities(name: str) -> Capabilities:
-    """The capabilities of the backend `name`: a registered name, or an import path whose class declares them."""
-    if name in BACKENDS:
-        return BACKENDS[name]
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"unknown strategy {name!r}; valid: {sorted(BACKENDS)} or an import path 'package.module:Class'")
-    return getattr(getattr(importlib.import_module(module), attr), "capabilities", Capabilities())
+    """What the backend `name` can do: a registered name's entry, or the `capabilities` its class declares."""
+    entry = BACKENDS.get(name)
+    if isinstance(entry, Backend):
+        return entry.capabilities
+    declared = getattr(entry, "capabilities", Capabilities())
+    if not isinstance(declared, Capabilities):
+        raise ValueError(f"strategy {name!r}: its class attribute `capabilities` is a {type(declared).__name__}; "
+                         "declare a baton.strategy.capabilities.Capabilities")
+    return declared
 
 
 def backends_that(what: str) -> list[str]:
-    """The registered backends with capability `what` (for messages)."""
-    return sorted(name for name, caps in BACKENDS.items() if getattr(caps, what))
+    """The registered backends with capability `what` (for messages that list the choices)."""
+    return [name for name in BACKENDS if getattr(BACKENDS.get(name).capabilities, what)]
+
+
+def can_share_weights(first: str, second: str) -> bool:
+    """Whether roles on backends `first` and `second`, fused into one process, share tensors instead of copying
+    weights: the same backend, one that can."""
+    return first == second and capabilities(first).shares_weights

@@ -14,19 +14,21 @@ from baton.models import load_tokenizer
 from baton.rewards import (PRED, REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, RewardRoutes, ScoringPool,
                            overlong_penalty, score_rows)
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
+from baton.strategy.capabilities import backends_that, capabilities
 from baton.strategy.logprobs import sampling_temperature
 from baton.workers.model import ModelWorker
 
 
 def _check_trains_one_model(worker: ModelWorker) -> None:
-    """The hf strategy keeps an independent model per worker: trained on several workers, each copy would step on
-    its own shard and drift apart from the others (and a weight sync sends rank 0's only)."""
-    from baton.strategy.hf import HFStrategy  # here: a reward worker's process never loads the model code
-
-    if worker.world_size > 1 and isinstance(worker.strategy, HFStrategy):
+    """A backend that does not train over workers (`Capabilities.trains_over_workers`, e.g. hf) keeps an independent
+    model per worker: trained on several workers, each copy would step on its own shard and drift apart from the
+    others (and a weight sync sends rank 0's only)."""
+    if worker.world_size > 1 and not capabilities(worker.config.name).trains_over_workers:
+        choices = " or ".join(repr(name) for name in backends_that("trains_over_workers"))
         raise ValueError(
-            f"{type(worker).__name__} {worker.context.cluster_name!r}: the 'hf' strategy trains one independent model per "
-            f"worker, not one model over world_size={worker.world_size} workers; use strategy 'fsdp2' or world_size=1"
+            f"{type(worker).__name__} {worker.context.cluster_name!r}: the {worker.config.name!r} strategy trains one "
+            f"independent model per worker, not one model over world_size={worker.world_size} workers; use strategy "
+            f"{choices} or world_size=1"
         )
 
 
