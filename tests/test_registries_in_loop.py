@@ -75,7 +75,8 @@ def test_the_policy_loss_is_chosen_by_name(tmp_path):
 
 def test_the_adaptive_kl_coefficient_moves_and_resumes_exactly(tmp_path):
     def config(run_dir, num_steps, resume=None):
-        algorithm = AlgorithmConfig(use_kl_in_reward=True, kl_reward_coef=0.1,
+        # k3 is never negative (k1's batch mean can be, and would lower the coefficient whatever the policy did).
+        algorithm = AlgorithmConfig(use_kl_in_reward=True, kl_reward_coef=0.1, kl_reward_estimator="k3",
                                     kl_ctrl=KLControlConfig(type="adaptive", target_kl=1e-6, horizon=100))
         return tiny_rlvr(run_dir, num_steps=num_steps, algorithm=algorithm, trainer=dict(resume=resume))
 

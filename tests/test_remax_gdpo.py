@@ -15,6 +15,7 @@ from baton.config import ConfigError
 from baton.data import DataProto
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig
+from baton.datasets.prompts import SAMPLE_SEEDS
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.rl import baseline_per_row, reward_components
 from baton.rewards import RewardError
@@ -77,12 +78,14 @@ class Captured(RLVRPipeline):
 
 class Probed(Captured):
     """Also generates, during the step (before the update), each prompt's greedy response twice and its samples
-    twice more, with settings written here, not the pipeline's."""
+    twice more (without the prompts' own sampling seeds, so from the rollout's generator), with settings written
+    here, not the pipeline's."""
 
     def before_advantages(self, batch) -> None:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.sampling.max_new_tokens, n=1)
         self.greedy = [self.rollout.generate(self.prompts, greedy) for _ in range(2)]
-        self.sampled = [self.rollout.generate(self.prompts, self.config.sampling.params()) for _ in range(2)]
+        unseeded = self.prompts.select(None, [k for k in self.prompts.non_tensor_batch if k != SAMPLE_SEEDS], [])
+        self.sampled = [self.rollout.generate(unseeded, self.config.sampling.params()) for _ in range(2)]
 
 
 def run_captured(config, cls=Captured) -> Captured:
@@ -140,7 +143,7 @@ def test_the_greedy_baseline_of_a_real_model_is_deterministic_and_is_what_the_ru
     params = pipeline.baseline_sampling
     assert (params.temperature, params.n, params.max_new_tokens) == (0.0, 1, config.sampling.max_new_tokens)
     assert torch.equal(*(out.batch["responses"] for out in pipeline.greedy))
-    assert not torch.equal(*(out.batch["responses"] for out in pipeline.sampled))  # temperature 1: other responses
+    assert not torch.equal(*(out.batch["responses"] for out in pipeline.sampled))  # temperature 1, no seeds: others
     assert torch.equal(pipeline.batch.batch["reward_baselines"],
                        greedy_scores(pipeline).repeat_interleave(config.sampling.num_samples_per_prompt))
 

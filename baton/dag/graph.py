@@ -69,7 +69,7 @@ BUILTIN_TYPES = (NodeType.BARRIER_SYNC, NodeType.PUT_TO_BUFFER, NodeType.GET_FRO
 Columns = Sequence[str] | Callable[[dict], Sequence[str]]
 
 
-OUTPUT_MODES = ("add", "replace", "filter")
+OUTPUT_MODES = ("add", "replace", "filter", "meta")
 
 
 def node_function(*, reads: Columns = (), writes: Columns = (), output: str = "add") -> Callable[[Callable], Callable]:
@@ -78,7 +78,9 @@ def node_function(*, reads: Columns = (), writes: Columns = (), output: str = "a
 
     "add": the columns it writes, added to its input's for the nodes downstream (same rows);
     "replace": the whole batch downstream, with only the columns it writes (e.g. generation: n rows per prompt);
-    "filter": the whole batch downstream, its input's columns (and any it writes) on other rows (a filter)."""
+    "filter": the whole batch downstream, its input's columns (and any it writes) on other rows (a filter);
+    "meta": no rows and no columns, only `meta_info` (e.g. one number per prompt, keyed by uid), which joins any
+    batch downstream (ReMax's greedy baselines)."""
     if output not in OUTPUT_MODES:
         raise ValueError(f"node_function(output={output!r}): use one of {', '.join(OUTPUT_MODES)}")
 
@@ -173,7 +175,7 @@ class Node:
 
     @property
     def output_mode(self) -> str:
-        """"add", "replace" or "filter": what the node's output is (see `node_function`)."""
+        """"add", "replace", "filter" or "meta": what the node's output is (see `node_function`)."""
         return getattr(self.resolve(), "dag_output", "add")
 
     def set_status(self, status: NodeStatus, error: str | None = None) -> None:
@@ -260,7 +262,7 @@ class TaskGraph:
         node its writes only."""
         if node_id not in self._columns_out:
             node = self.nodes[node_id]
-            out = {} if node.output_mode == "replace" else self.columns_into(node_id)
+            out = {} if node.output_mode in ("replace", "meta") else self.columns_into(node_id)
             out.update({column: node_id for column in node.columns()[1]})
             self._columns_out[node_id] = out
         return dict(self._columns_out[node_id])
@@ -273,7 +275,8 @@ class TaskGraph:
             return "the data_load nodes"
         if node.output_mode != "add":
             return node_id
-        return self.rows_from(node.dependencies[0])
+        rowed = [dep for dep in node.dependencies if self.nodes[dep].output_mode != "meta"] or node.dependencies
+        return self.rows_from(rowed[0])
 
     # --- checks ------------------------------------------------------------------------------------------------
 
@@ -357,7 +360,7 @@ class TaskGraph:
                             f"{through!r}) and {writer!r} (through {dep!r}); have one of them write another column "
                             "(a node-specific name) and combine them in a node of their own")
                     seen.setdefault(column, (writer, dep))
-            origins = {dep: self.rows_from(dep) for dep in node.dependencies}
+            origins = {dep: self.rows_from(dep) for dep in node.dependencies if self.nodes[dep].output_mode != "meta"}
             if len(set(origins.values())) > 1:
                 raise WorkflowError(
                     f"{node.where} joins batches with different rows: " + ", ".join(

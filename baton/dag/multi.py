@@ -99,7 +99,8 @@ class DAGWorker(Worker):
         then cut as its dispatch would cut them."""
         indices, uid_offset = self._prompts
         prompts = self._collate(self.train_data, indices, self.tokenizer, self.config.data.max_prompt_len,
-                                uid_offset=uid_offset)
+                                uid_offset=uid_offset, seed=self.config.trainer.seed,
+                                num_samples=self.config.sampling.num_samples_per_prompt)
         return prompts.chunk(self.world_size)[self.rank]
 
     def sync_weights(self) -> None:
@@ -213,7 +214,7 @@ class MultiControllerExecutor:
     def run_step(self, step: int) -> dict[str, float]:
         num_prompts = self.num_prompts_per_step
         indices = [int(i) for i in self.sampler.next_indices(num_prompts)]
-        results = self.workers.run_step(step, indices, step * num_prompts, self.algorithm.state_dict())
+        results = self.workers.run_step(step, indices, (step - 1) * num_prompts, self.algorithm.state_dict())
         for node_id, node in self.graph.nodes.items():
             worst = max((NodeStatus(r["statuses"][node_id]) for r in results), key=STATUS_RANK.__getitem__)
             node.set_status(worst)

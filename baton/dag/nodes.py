@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import torch
 
 from baton.dag.executor import NodeContext, NodeOutput
 from baton.dag.graph import node_function
@@ -23,7 +24,8 @@ PROMPT_COLUMNS = ["input_ids", "attention_mask", "prompt", "uid"]
 SAMPLE_COLUMNS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                   "rollout_log_probs", "finish_reason", "prompt", "uid", "ground_truth"]
 REWARD_COLUMNS = ["scores", "token_level_scores", "response_text"]
-ADVANTAGE_COLUMNS = ["token_level_rewards", "advantages", "returns"]
+ADVANTAGE_COLUMNS = ["token_level_rewards", "advantages", "returns", "reward_baselines"]
+BASELINES = "reward_baselines_by_uid"  # meta_info: ReMax's greedy reward of each prompt (uid → reward)
 
 
 @node_function(writes=PROMPT_COLUMNS + ["ground_truth"])
@@ -37,6 +39,22 @@ def generate(ctx: NodeContext, batch) -> NodeOutput:
     """`sampling.num_samples_per_prompt` responses per prompt from the rollout cluster (the prompts' columns
     repeated per sample)."""
     return NodeOutput(ctx.role("rollout").call_async("generate", batch, ctx.workflow.sampling))
+
+
+@node_function(reads=["input_ids", "attention_mask", "uid"], output="meta")
+def greedy_baseline(ctx: NodeContext, batch) -> NodeOutput:
+    """ReMax: one greedy response per prompt (`ctx.workflow.baseline_sampling`), scored by the reward role; its
+    reward (token-level scores summed, as verl) per prompt goes downstream as `meta_info["reward_baselines_by_uid"]`
+    (one number a prompt, no rows), where the advantage node makes it each sample's `reward_baselines`."""
+    params = ctx.workflow.baseline_sampling
+    if params is None:
+        return NodeOutput(DataProto())
+    generated = ctx.role("rollout").call_async("generate", batch, params)
+    rewards = ctx.role("reward").call_async("compute_rewards", generated, apply_overlong_penalty=True)
+    generated, rewards = (part if isinstance(part, DataProto) else part.get() for part in (generated, rewards))
+    reward = rewards.batch["token_level_scores"].sum(-1)  # [prompts]
+    by_uid = dict(zip(generated.non_tensor_batch["uid"].tolist(), reward.tolist()))
+    return NodeOutput(DataProto(meta_info={BASELINES: by_uid}))
 
 
 @node_function(reads=["responses", "response_mask", "ground_truth"], writes=REWARD_COLUMNS)
@@ -76,7 +94,7 @@ def reward_model_scores(ctx: NodeContext, batch) -> NodeOutput:
 
 
 @node_function(reads=["scores", "token_level_scores", "response_mask", "rm_scores"],
-               writes=["scores", "token_level_scores", "reward_extra/reward_model"], output="replace")
+               writes=SAMPLE_COLUMNS + REWARD_COLUMNS + ["rm_scores", "reward_extra/reward_model"], output="replace")
 def add_reward_model_scores(batch: DataProto, config: dict):
     """The reward model's scores, × `reward_model_settings.weight` (`config["reward_model_weight"]`), added to the
     reward function's (as the loop does); the whole batch goes on, `rm_scores` kept."""
@@ -87,8 +105,14 @@ def add_reward_model_scores(batch: DataProto, config: dict):
 @node_function(reads=["token_level_scores", "response_mask", "uid"], writes=ADVANTAGE_COLUMNS)
 def compute_advantage(batch: DataProto, config: dict):
     """Advantages and returns by the run's algorithm (`config["rl"]`, sent with every step: its KL coefficient is
-    this step's, adaptive or fixed)."""
+    this step's, adaptive or fixed); for ReMax first each row's `reward_baselines` from the greedy baseline node."""
+    baselines = batch.meta_info.get(BASELINES)
+    if baselines is not None:
+        batch.batch["reward_baselines"] = torch.tensor([baselines[uid] for uid in batch.non_tensor_batch["uid"].tolist()],
+                                                       dtype=torch.float32)
     columns, metrics = config["rl"].advantage_columns(batch)
+    if baselines is not None:
+        columns["reward_baselines"] = batch.batch["reward_baselines"]
     return DataProto.from_dict(columns), metrics
 
 

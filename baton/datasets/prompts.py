@@ -281,12 +281,31 @@ class PromptSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
+# A prompt batch's non-tensor column: each prompt's sampling seeds (`group_seeds`), so that a sample's tokens are a
+# function of (run seed, the prompt's group index, sample index) whichever path generates it.
+SAMPLE_SEEDS = "sample_seeds"
+
+
+def group_seeds(seed: int, group_index: int, num_samples: int) -> list[int]:
+    """The sampling seeds of a group's samples, each in [0, 2**62): sample i's a function of (seed, group_index, i)
+    only (one SeedSequence per group: the driver draws a step's thousand seeds in a few calls)."""
+    state = np.random.SeedSequence([seed, group_index]).generate_state(num_samples, np.uint64)
+    return [int(value) >> 2 for value in state]
+
+
+def sample_seed(seed: int, group_index: int, sample_index: int) -> int:
+    """The sampling seed of one sample (see `group_seeds`)."""
+    return group_seeds(seed, group_index, sample_index + 1)[sample_index]
+
+
 def collate_prompts(dataset: PromptDataset, indices: Sequence[int], tokenizer, max_prompt_len: int | None = None,
-                    uid_offset: int = 0) -> DataProto:
+                    uid_offset: int = 0, seed: int | None = None, num_samples: int = 1) -> DataProto:
     """Left-padded `input_ids` / `attention_mask` [rows, prompt_len] plus non-tensor `prompt`,
     `ground_truth` (unless the dataset has no answer_key), `uid` (one id per prompt, for group-based advantages)
     and every other field of the dataset, None in a row without it; `data_source` (verl's name for a row's source)
-    is "unknown" there instead.
+    is "unknown" there instead. With a `seed`, also `sample_seeds`: each prompt's `num_samples` sampling seeds,
+    `group_seeds(seed, uid, num_samples)`, the rollout system's rule, so the generate call samples what the rollout
+    system would for the group of that index.
     Chat prompts must be rendered first (`PromptDataset.render_chat`); `prompt` is then the rendered text."""
     examples = [dataset[i] for i in indices]
     prompts = [e[dataset.prompt_key] for e in examples]
@@ -304,6 +323,8 @@ def collate_prompts(dataset: PromptDataset, indices: Sequence[int], tokenizer, m
     if dataset.answer_key:
         non_tensors["ground_truth"] = [str(e[dataset.answer_key]) for e in examples]
     non_tensors["uid"] = np.arange(uid_offset, uid_offset + len(examples))
+    if seed is not None:
+        non_tensors[SAMPLE_SEEDS] = [tuple(group_seeds(seed, int(uid), num_samples)) for uid in non_tensors["uid"]]
     for key in dataset.extra_fields:
         non_tensors[key] = [e.get(key) for e in examples]
     if DATA_SOURCE in non_tensors:

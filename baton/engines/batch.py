@@ -13,7 +13,7 @@ from baton.data import DataProto
 from baton.engines.loop import LoopThread
 from baton.engines.protocol import Engine, GenerationRequest, GenerationResult
 from baton.strategy.base import SamplingParams
-from baton.strategy.sampling import generation_output, padded_responses, row_seeds
+from baton.strategy.sampling import generation_output, padded_responses, prompt_row_seeds
 
 
 def generate_batch(engine: Engine, runner: LoopThread, prompts: DataProto, params: SamplingParams, *,
@@ -21,17 +21,16 @@ def generate_batch(engine: Engine, runner: LoopThread, prompts: DataProto, param
     """`params.n` samples per prompt of a left-padded prompt batch (a prompt's samples in consecutive rows), from
     `engine`, whose event loop `runner` runs; waits without a time limit (a worker call is bounded by the caller).
 
-    Row k is request `f"{call_id}-{k}"`, seeded with the k-th draw of `params.seed`'s generator, or of `generator`
-    (which advances) when `params.seed` is None: on CPU, the seeds the `hf` strategy's batch path gives its rows, so
-    over the `hf` engine this returns that path's output. Raises RuntimeError when the engine aborted a request (it
+    Row k is request `f"{call_id}-{k}"`, seeded by `prompt_row_seeds` (the prompts' `sample_seeds`, else draws of
+    `params.seed`'s generator or of `generator`, which advances): on CPU, the seeds the `hf` strategy's batch path
+    gives its rows, so over the `hf` engine this returns that path's output. Raises RuntimeError when the engine aborted a request (it
     was closed under the call).
     """
     input_ids, attention_mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu()
     if len(prompts) and bool((attention_mask[:, -1] == 0).any()):
         raise ValueError("generate needs LEFT-padded prompts (the last column must be real tokens); "
                          "tokenize with padding_side='left'")
-    num_rows = len(prompts) * params.n
-    seeds = row_seeds(generator if params.seed is None else torch.Generator().manual_seed(params.seed), num_rows)
+    seeds = prompt_row_seeds(prompts, params, generator)
     requests = [
         GenerationRequest(f"{call_id}-{row}", input_ids[row // params.n][attention_mask[row // params.n].bool()].tolist(),
                           dataclasses.replace(params, n=1, seed=seed))

@@ -68,9 +68,6 @@ class DAGConfig(RLVRConfig):
                               "set colocate_actor_rollout: true")
         if self.dag.num_compute_workers < 1:
             raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
-        if estimator_needs(self.algorithm.adv_estimator).baseline_rollout:
-            raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
-                              "rollout, which the shipped workflow nodes do not generate; use grpo, rloo, gae, ...")
         try:
             self.graph()  # every workflow error before any worker starts
         except (WorkflowError, FileNotFoundError) as error:
@@ -81,7 +78,8 @@ class DAGConfig(RLVRConfig):
             return rlvr_workflow(has_reference=self.reference is not None or self.algorithm.use_kl_loss
                                  or self.algorithm.use_kl_in_reward,
                                  has_critic=self.critic is not None and estimator_needs(self.algorithm.adv_estimator).critic,
-                                 has_reward_model=self.reward_model is not None)
+                                 has_reward_model=self.reward_model is not None,
+                                 has_baseline=estimator_needs(self.algorithm.adv_estimator).baseline_rollout)
         if isinstance(self.workflow, str):
             from baton.config.paths import find_file
 
@@ -89,11 +87,12 @@ class DAGConfig(RLVRConfig):
         return load_workflow(self.workflow)
 
 
-def rlvr_workflow(has_reference: bool = False, has_critic: bool = False, has_reward_model: bool = False) -> TaskGraph:
-    """`RLVRPipeline.run()`'s step as a graph: data → rollout → reward (→ reward model → its scores added) → {old
-    log-probs, ref log-probs, values} → advantage → (critic update) → actor update → weight sync; the batch metrics
-    after the actor's update, beside the weight sync (beside the update, their fetch and reduction of the batch slowed
-    it on 2 cores)."""
+def rlvr_workflow(has_reference: bool = False, has_critic: bool = False, has_reward_model: bool = False,
+                  has_baseline: bool = False) -> TaskGraph:
+    """`RLVRPipeline.run()`'s step as a graph: data → rollout (and ReMax's greedy baseline beside it) → reward (→
+    reward model → its scores added) → {old log-probs, ref log-probs, values} → advantage → (critic update) → actor
+    update → weight sync; the batch metrics after the actor's update, beside the weight sync (beside the update,
+    their fetch and reduction of the batch slowed it on 2 cores)."""
     flow = Workflow("grpo" if not has_critic else "ppo")
     flow.add_node("data", "data_load", executable=f"{NODES}:load_prompts")
     flow.add_node("rollout", "model_inference", role="rollout", dependencies=["data"], executable=f"{NODES}:generate")
@@ -101,7 +100,7 @@ def rlvr_workflow(has_reference: bool = False, has_critic: bool = False, has_rew
                   executable=f"{NODES}:compute_reward")
     rewarded = "reward"
     if has_reward_model:
-        flow.add_node("reward_model", "model_inference", role="reward_model", dependencies=["reward"],
+        flow.add_node("reward_model", "model_inference", role="reward", dependencies=["reward"],
                       executable=f"{NODES}:reward_model_scores")
         flow.add_node("reward_sum", "compute", role="advantage", dependencies=["reward_model"],
                       executable=f"{NODES}:add_reward_model_scores")
@@ -118,6 +117,10 @@ def rlvr_workflow(has_reference: bool = False, has_critic: bool = False, has_rew
         flow.add_node("values", "model_inference", role="critic", dependencies=[rewarded],
                       executable=f"{NODES}:critic_values")
         last.append("values")
+    if has_baseline:
+        flow.add_node("baseline", "model_inference", role="rollout", dependencies=["data"],
+                      executable=f"{NODES}:greedy_baseline")
+        last.append("baseline")
     flow.add_node("advantage", "compute", role="advantage", dependencies=last, executable=f"{NODES}:compute_advantage")
     train_after = ["advantage"]
     if has_critic:

@@ -73,5 +73,5 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
     errors = reward_error_count(rewards)
     return validation_set_metrics(
         rewards.batch["scores"].numpy(), out.non_tensor_batch["uid"], out.batch["response_mask"].long().sum(-1).numpy(),
-        fields, out.non_tensor_batch.get(DATA_SOURCE), votes, sampling.num_samples_per_prompt,
+        out.non_tensor_batch["finish_reason"] == "length", fields, out.non_tensor_batch.get(DATA_SOURCE), votes, sampling.num_samples_per_prompt,
         errors["reward/num_errors"], errors["reward/num_timeouts"])

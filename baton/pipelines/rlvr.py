@@ -85,9 +85,13 @@ class RLVRPipeline(Pipeline):
         self.algorithm.load_state_dict(state)
 
     def next_prompts(self) -> DataProto:
-        trainer = self.config.trainer
-        return collate_prompts(self.train_data, self.sampler.next_indices(trainer.num_prompts_per_step), self.tokenizer,
-                               self.config.data.max_prompt_len, uid_offset=self.global_step * trainer.num_prompts_per_step)
+        """The step's prompts, in the seeded sampler's order. Group g (uid g, counted from 0 over the run) samples
+        with `group_seeds(trainer.seed, g, n)`, as the rollout system's data source seeds its g-th group, so the
+        loop, the workflow and the rollout system draw the same samples."""
+        trainer, num_prompts = self.config.trainer, self.config.trainer.num_prompts_per_step
+        return collate_prompts(self.train_data, self.sampler.next_indices(num_prompts), self.tokenizer,
+                               self.config.data.max_prompt_len, uid_offset=(self.global_step - 1) * num_prompts,
+                               seed=trainer.seed, num_samples=self.config.sampling.num_samples_per_prompt)
 
     def training_roles(self) -> TrainingRoles:
         return TrainingRoles(self.actor, self.reference, self.critic)

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from baton.config import ConfigError
 from baton.data import DataProto
@@ -28,6 +29,7 @@ from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.policy import probe_tolerance
 from baton.pipelines.rlvr import reward_model_role
 from baton.rl import RLAlgorithm, SFTLoss, StaleSamplesWarning, TrainingRoles, add_model_scores
+from baton.rl.metrics import reward_extra_metrics
 from baton.rollout import RolloutDataSource, Sample
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.engine_worker import EngineWorker
@@ -82,14 +84,6 @@ class RolloutRLVRConfig(RLVRConfig):
         if not capabilities(self.rollout.strategy.name).serves_requests:
             raise ConfigError(f"rollout.strategy.name {self.rollout.strategy.name!r}: the rollout system's engines serve "
                               f"requests, which {', '.join(backends_that('serves_requests'))} do; set one of them")
-        if self.baseline_rollout_needed():
-            raise ConfigError(f"algorithm.adv_estimator {self.algorithm.adv_estimator!r} needs a greedy baseline "
-                              "rollout, which the rollout system does not generate; use grpo, rloo, gae, ...")
-
-    def baseline_rollout_needed(self) -> bool:
-        from baton.algorithms import estimator_needs
-
-        return estimator_needs(self.algorithm.adv_estimator).baseline_rollout
 
 
 def engine_roles(rollout: RoleConfig) -> dict[str, RoleConfig]:
@@ -145,7 +139,9 @@ class RolloutRLVRPipeline(Pipeline):
             reward_timeout_s_per_row=config.reward.timeout_s_per_row, probe=self.make_probe(),
             probe_atol=probe_tolerance(config.actor, config.rollout), eval_sets=eval_sets,
             eval_sampling_params=config.val_sampling.params(seed=0), max_prompt_len=data.max_prompt_len,
-            engines_on_gpu=on_gpus(self.manager), response_key=data.sft_response_key)
+            engines_on_gpu=on_gpus(self.manager), response_key=data.sft_response_key,
+            overlong=((config.sampling.max_new_tokens, config.overlong_buffer.len, config.overlong_buffer.penalty_factor)
+                      if config.overlong_buffer.len else None))
         self.time_share = self.engines_share_devices(clusters, list(engines))
         if engines:
             self.rollouts.update_weights(self.actor, version=0)
@@ -262,9 +258,15 @@ class RolloutRLVRPipeline(Pipeline):
         return groups, metrics, self.training_data(groups, step)
 
     def training_data(self, groups: list[list[Sample]], step: int) -> tuple[DataProto, dict[str, float]]:
-        """Step `step` trains the weights of version step - 1: the groups are checked against the bound for it."""
-        return self.rollouts.to_training_data(groups, trained_version=step - 1,
-                                              temperature=self.config.sampling.temperature)
+        """Step `step` trains the weights of version step - 1: the groups are checked against the bound for it. For
+        ReMax, each row's `reward_baselines`: the reward of a greedy response to its prompt, generated now."""
+        batch, metrics = self.rollouts.to_training_data(groups, trained_version=step - 1,
+                                                        temperature=self.config.sampling.temperature)
+        if self.algorithm.needs.baseline_rollout and self.config.loss == "policy":
+            by_group = self.rollouts.greedy_baselines(groups, self.config.sampling.max_new_tokens)
+            batch.batch["reward_baselines"] = torch.tensor([by_group[int(uid)] for uid in batch.non_tensor_batch["uid"]],
+                                                           dtype=torch.float32)
+        return batch, metrics
 
     def run(self) -> dict:
         trainer, system = self.config.trainer, self.config.rollout_system
@@ -290,8 +292,8 @@ class RolloutRLVRPipeline(Pipeline):
                             self.rollouts.onload()
                     with self.timer("sync"):
                         sync_metrics = self.rollouts.update_weights(self.actor, version=step) if engines else {}
-            metrics = {**self.rollout_metrics(batch), **rollout_metrics, **train_metrics,
-                       **sync_metrics, **self.timings}
+            metrics = {**self.rollout_metrics(batch), **self.rollouts.reward_error_metrics(),
+                       **reward_extra_metrics(batch), **rollout_metrics, **train_metrics, **sync_metrics, **self.timings}
             self.algorithm.watch(step, metrics)
             self.end_step(step, metrics, "reward", "critic/score/mean")
         self.rollouts.settle_weight_check()  # the last sync's probe, when scored in the background

@@ -83,13 +83,14 @@ def model_score_metrics(rewards: DataProto) -> dict[str, float]:
     return {k: float(np.sum(v)) for k, v in rewards.meta_info.get("metrics", {}).items() if k.startswith("reward_model/")}
 
 
-def validation_set_metrics(scores: np.ndarray, uids: Sequence, response_lengths: np.ndarray,
+def validation_set_metrics(scores: np.ndarray, uids: Sequence, response_lengths: np.ndarray, truncated: np.ndarray,
                            fields: dict[str, np.ndarray], data_sources: Sequence | None, votes: Sequence,
                            num_samples_per_prompt: int, num_errors: float, num_timeouts: float,
                            prefix: str = "val/") -> dict[str, float]:
     """One held-out set's metrics, the same whichever driver generated them: `{prefix}accuracy` (share of responses
     with reward >= 1), `{prefix}pass@{k}` (the unbiased pass@k of reward >= 1, averaged over prompts, for verl's
-    k = 2, 4, … n), `{prefix}reward/mean`, `{prefix}response_length/mean`, `{prefix}reward/<key>/mean` for each further
+    k = 2, 4, … n), `{prefix}reward/mean`, `{prefix}response_length/mean`, `{prefix}truncated_ratio` (the share that
+    hit max_new_tokens: `truncated` [rows] bool), `{prefix}reward/<key>/mean` for each further
     numeric field of a dict reward (`fields`), `{prefix}reward/num_errors` and `/num_timeouts`; and verl's
     `val-core/{data_source}/{variable}/{metric}` and `val-aux/...` (see `validation_metrics`) of the score ("reward")
     and of each field ("acc", ...), under `prefix` unless it is "val/". maj@k votes over `votes` (a dict reward's
@@ -103,6 +104,7 @@ def validation_set_metrics(scores: np.ndarray, uids: Sequence, response_lengths:
             **{f"{prefix}pass@{k}": pass_at_k(correct, uids, k) for k in sample_sizes(num_samples_per_prompt)},
             f"{prefix}reward/mean": float(scores.mean()),
             f"{prefix}response_length/mean": float(np.mean(response_lengths)),
+            f"{prefix}truncated_ratio": float(np.mean(truncated)),
             f"{prefix}reward/num_errors": float(num_errors), f"{prefix}reward/num_timeouts": float(num_timeouts),
             **{f"{prefix}reward/{name}/mean": float(values.mean()) for name, values in fields.items()},
             **{(key if prefix == "val/" else prefix + key): value for key, value in verl.items()}}

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from baton.datasets import DataError, PromptDataset, PromptSampler
+from baton.datasets.prompts import group_seeds, sample_seed
 from baton.rewards import DATA_SOURCE
 from baton.rewards.routing import UNKNOWN_DATA_SOURCE
 from baton.rollout.config import BUFFER_FILTERS
@@ -22,18 +23,6 @@ _IMMUTABLE = (str, int, float, bool, type(None))
 def take_first(buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]:
     """The default buffer filter: the first `num_groups` groups, oldest first (FIFO)."""
     return buffer[:num_groups]
-
-
-def group_seeds(seed: int, group_index: int, num_samples: int) -> list[int]:
-    """The sampling seeds of a group's samples, each in [0, 2**62): sample i's a function of (seed, group_index, i)
-    only (one SeedSequence per group: the driver draws a step's thousand seeds in a few calls)."""
-    state = np.random.SeedSequence([seed, group_index]).generate_state(num_samples, np.uint64)
-    return [int(value) >> 2 for value in state]
-
-
-def sample_seed(seed: int, group_index: int, sample_index: int) -> int:
-    """The sampling seed of one sample (see `group_seeds`)."""
-    return group_seeds(seed, group_index, sample_index + 1)[sample_index]
 
 
 class RolloutDataSource:

@@ -11,7 +11,7 @@ import inspect
 import threading
 from typing import Any, Callable, Mapping
 
-from baton.rewards import PRED, ScoringPool, score_rows
+from baton.rewards import PRED, RewardError, ScoringPool, overlong_penalty, score_rows
 from baton.rollout.sample import Sample
 
 
@@ -50,12 +50,16 @@ class GroupRewarder:
     custom: `fn(args, sample) -> float | dict`, plain or a coroutine function, instead of reward_fn.
     num_processes / timeout_s_per_row: reward_fn scored in that many processes, a row past the limit killed and
         handled by `on_error` (as the reward workers do); 0 processes: in a thread of this process.
+    overlong: (max_response_len, buffer_len, penalty_factor): DAPO's soft overlong penalty added to the score of
+        training samples (not of a context with `evaluation` set), with verl's `overlong_reward` and `overlong`
+        fields, as the reward workers add it (`overlong_buffer`); None: none.
     """
 
     def __init__(self, reward_fn: str | Mapping[str, str], *, on_error: str = "raise", num_processes: int = 0,
                  timeout_s_per_row: float | None = None, custom: Callable | None = None,
-                 timeout_s: float | None = 60.0):
+                 timeout_s: float | None = 60.0, overlong: tuple[int, int, float] | None = None):
         self.reward_fn, self.on_error, self.custom, self.timeout_s = reward_fn, on_error, custom, timeout_s
+        self.overlong = overlong
         self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes and custom is None else None
         self._pool_lock = threading.Lock()  # the scoring pool serves one group at a time
         self.num_errors = self.num_timeouts = 0  # rows scored 0 by reward_on_error "zero", timeouts among them
@@ -66,6 +70,8 @@ class GroupRewarder:
         except asyncio.TimeoutError:
             raise RewardTimeout(f"the reward of group {group[0].group_index} took longer than {self.timeout_s:g} s "
                                 "(rollout_system.reward_timeout_s)") from None
+        if self.overlong is not None and not getattr(args, "evaluation", False):
+            add_overlong_penalty(group, *self.overlong)
 
     async def _score(self, args: Any, group: list[Sample]) -> None:
         if self.custom is not None:
@@ -94,3 +100,20 @@ class GroupRewarder:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def add_overlong_penalty(group: list[Sample], max_response_len: int, buffer_len: int, penalty_factor: float) -> None:
+    """DAPO's soft overlong penalty (`baton.rewards.overlong_penalty`) added to each sample's score, kept as the
+    reward fields `overlong_reward` (the penalty) and `overlong` (1.0 where it is below 0), verl's names."""
+    import torch
+
+    lengths = torch.tensor([sample.response_length for sample in group])
+    penalties = overlong_penalty(lengths, max_response_len, buffer_len, penalty_factor).tolist()
+    for sample, penalty in zip(group, penalties):
+        reward = dict(sample.reward) if isinstance(sample.reward, dict) else {"score": sample.reward}
+        taken = sorted({"overlong_reward", "overlong"} & reward.keys())
+        if taken:
+            raise RewardError(f"{sample.where()}: the reward returns the field(s) {taken}, which the overlong "
+                              "penalty (overlong_buffer) writes; rename them")
+        reward.update(score=sample.score() + penalty, overlong_reward=penalty, overlong=float(penalty < 0))
+        sample.reward = reward

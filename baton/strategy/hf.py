@@ -29,7 +29,7 @@ from baton.models import build_model, load_tokenizer, model_config, save_tokeniz
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
 from baton.strategy.padding import pad_responses, trim_padding
-from baton.strategy.sampling import generation_output, sample
+from baton.strategy.sampling import generation_output, prompt_row_seeds, sample
 
 
 def default_device() -> torch.device:
@@ -391,9 +391,9 @@ class HFStrategy(TorchStrategy):
         if len(prompts) and bool((attention_mask[:, -1] == 0).any()):
             raise ValueError("generate needs LEFT-padded prompts (the last column must be real tokens); "
                              "tokenize with padding_side='left'")
-        generator = self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
+        seeds = prompt_row_seeds(prompts, params, self.generator)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else [self.tokenizer.eos_token_id]
-        out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, generator,
+        out = sample(self.hf_model, input_ids, attention_mask, params, self.tokenizer.pad_token_id, stop, seeds,
                      self._autocast)
         return generation_output(prompts, params, **out)
 

@@ -8,8 +8,9 @@ the running batch's, left-padding both to a common length; (2) samples one token
 finished rows, with the padding columns no row needs any more; (4) runs one decode forward for the rest.
 
 Every sampled row draws from its own generator, so its tokens do not depend on what else is in the batch: the
-batch path seeds row k's generator with the k-th draw of the caller's generator (`row_seeds`), and an engine
-request with that seed gives the same tokens.
+batch path seeds each row by `prompt_row_seeds` (the prompts' own `sample_seeds` where the driver set them, the
+rollout system's rule, else the k-th draw of the caller's generator), and an engine request with that seed gives the
+same tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from baton.data import DataProto
+from baton.datasets.prompts import SAMPLE_SEEDS
 from baton.strategy.base import SamplingParams
 from baton.strategy.logprobs import cache_argument, position_ids_from_mask
 
@@ -46,6 +48,22 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def row_seeds(generator: torch.Generator, count: int) -> list[int]:
     """The seeds of `count` rows' generators: the next draws of `generator` (which advances)."""
     return torch.randint(0, 2**62, (count,), generator=generator, device=generator.device).tolist()
+
+
+def prompt_row_seeds(prompts: DataProto, params: SamplingParams, generator: torch.Generator) -> list[int]:
+    """The seeds of the `len(prompts) * params.n` rows of a generate call (a prompt's samples consecutive): each
+    prompt's `sample_seeds` where the batch has them (the first n of each), else draws of `params.seed`'s generator,
+    or of `generator` (which advances) when `params.seed` is None."""
+    seeds = prompts.non_tensor_batch.get(SAMPLE_SEEDS)
+    if seeds is not None:
+        short = [i for i, own in enumerate(seeds) if len(own) < params.n]
+        if short:
+            raise ValueError(f"prompt row {short[0]} carries {len(seeds[short[0]])} sample_seeds for n={params.n} "
+                             "samples; collate the prompts with num_samples >= n")
+        return [int(seed) for own in seeds for seed in own[:params.n]]
+    if params.seed is not None:
+        generator = torch.Generator(generator.device).manual_seed(params.seed)
+    return row_seeds(generator, len(prompts) * params.n)
 
 
 @dataclass(eq=False)
@@ -218,9 +236,9 @@ class DecodeBatch:
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, pad_token_id: int,
-           stop_token_ids: list[int], generator: torch.Generator, autocast=None) -> dict[str, torch.Tensor]:
+           stop_token_ids: list[int], seeds: list[int], autocast=None) -> dict[str, torch.Tensor]:
     """Generate `params.n` samples per prompt of a left-padded batch (a prompt's samples consecutive), by running a
-    `DecodeBatch` to completion; sampled row k draws from a generator seeded by `row_seeds(generator, rows)[k]`.
+    `DecodeBatch` to completion; sampled row k draws from a generator seeded by `seeds[k]` (`prompt_row_seeds`).
 
     Returns responses / response_mask / rollout_log_probs [rows, response_len] (response_len is the longest
     sample, at most max_new_tokens) and `stopped` [rows] bool, on CPU.
@@ -230,7 +248,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     prompts = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     rows = [DecodeRow(prompt, one, stop) for prompt in prompts for _ in range(params.n)]
     if params.temperature > 0:
-        for row, seed in zip(rows, row_seeds(generator, len(rows))):
+        for row, seed in zip(rows, seeds, strict=True):
             row.generator = torch.Generator(input_ids.device).manual_seed(seed)
     batch, reasons = DecodeBatch(model, pad_token_id, autocast), {}
     pending = rows
@@ -275,6 +293,7 @@ def generation_output(prompts: DataProto, params: SamplingParams, responses: tor
         {"finish_reason": np.array(["stop" if s else "length" for s in stopped.tolist()], dtype=object)},
         meta_info={**prompts.meta_info, "temperature": params.temperature},
     )
-    if prompts.non_tensor_batch:
-        result = result.union(DataProto(non_tensor_batch=dict(prompts.non_tensor_batch)).repeat(n, interleave=True))
+    carried = {k: v for k, v in prompts.non_tensor_batch.items() if k != SAMPLE_SEEDS}
+    if carried:
+        result = result.union(DataProto(non_tensor_batch=carried).repeat(n, interleave=True))
     return result

@@ -1,0 +1,117 @@
+"""One RL algorithm, three drivers: the loop (`RLVRPipeline`), the rollout system in sync mode
+(`RolloutRLVRPipeline`) and the workflow graph (`DAGPipeline`) train alike on the local backend, step for step, with
+the same validation metric set; the features one of them used to refuse (reward models, adaptive KL, ReMax) run in
+all three; the multi-controller's colocated weight sync shares tensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from baton.pipelines.base import run_pipeline
+from baton.pipelines.config import (AlgorithmConfig, DataConfig, KLControlConfig, OverlongBufferConfig, RLVRConfig,
+                                    RoleConfig, SamplingConfig, TrainerConfig)
+from baton.pipelines.dag import DAGConfig, DAGPipeline, DAGSettings
+from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
+from baton.strategy import OptimizerConfig, StrategyConfig
+
+THIS = "test_rl_drivers"  # tests/ is on sys.path: functions here are importable by path
+DRIVERS = {"loop": (RLVRPipeline, RLVRConfig), "rollout_sync": (RolloutRLVRPipeline, RolloutRLVRConfig),
+           "dag": (DAGPipeline, DAGConfig)}
+WALL_CLOCK = ("timing_s/", "perf/throughput")
+
+
+def digit_share(response: str, ground_truth: str, **fields) -> float:
+    """Partial credit the untrained tiny model already earns in varying amounts, so every step has advantages and
+    gradients (an exact-match reward is 0 for all of its samples)."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def settings(run_dir, **fields) -> dict:
+    role = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-3)))
+    trainer = TrainerConfig(backend="local", run_dir=str(run_dir), num_prompts_per_step=4, num_steps=4,
+                            val_every_steps=2, save_every_steps=4, progress_bar=False)
+    return dict(actor=role, rollout=role, data=DataConfig(max_operand=9, num_val_examples=8),
+                reward_fn=f"{THIS}:digit_share", sampling=SamplingConfig(max_new_tokens=4, num_samples_per_prompt=4),
+                val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=4, num_samples_per_prompt=1),
+                trainer=trainer, **fields)
+
+
+def run_all(tmp_path, **fields) -> dict[str, list[dict]]:
+    """Every driver's metrics records (wall-clock figures left out), one run each."""
+    out = {}
+    for name, (pipeline_cls, config_cls) in DRIVERS.items():
+        run_pipeline(pipeline_cls, config_cls(**settings(tmp_path / name, **fields)))
+        with open(os.path.join(tmp_path / name, "metrics.jsonl")) as f:
+            out[name] = [{k: v for k, v in json.loads(line).items() if not k.startswith(WALL_CLOCK)} for line in f]
+    return out
+
+
+def assert_same_training(runs: dict[str, list[dict]], rel: float = 1e-5) -> None:
+    """Every metric the loop logs, at every step, is logged by the others with the same value (the rollout system's
+    engine batches requests continuously, so float rounding may differ in the last digits); the validation metric
+    set is the same."""
+    loop = runs["loop"]
+    for name, other in runs.items():
+        assert [r["step"] for r in other] == [r["step"] for r in loop] == [0, 1, 2, 3, 4], name
+        for ours, theirs in zip(loop, other):
+            missing = sorted(set(ours) - set(theirs))
+            assert not missing, f"{name} step {ours['step']} lacks {missing}"
+            for key, value in ours.items():
+                assert math.isclose(theirs[key], value, rel_tol=rel, abs_tol=1e-6), (name, ours["step"], key)
+            val = lambda record: sorted(k for k in record if k.startswith(("val/", "val-core/", "val-aux/")))  # noqa: E731
+            assert val(theirs) == val(ours), name
+    assert any(r.get("actor/grad_norm", 0) > 0.1 for r in loop), "the runs must learn for the comparison to mean much"
+
+
+def test_one_grpo_config_trains_alike_as_loop_rollout_system_and_workflow(tmp_path):
+    runs = run_all(tmp_path)
+    assert_same_training(runs)
+    assert {"val/accuracy", "val/truncated_ratio", "val/reward/num_errors",
+            "val-core/unknown/reward/mean@1"} <= set(runs["rollout_sync"][0])
+
+
+def test_a_reward_model_adaptive_kl_and_the_overlong_penalty_run_in_all_three_alike(tmp_path):
+    """The first two used to be refused by the rollout system or the workflow, the third was ignored by the rollout
+    system; now the one algorithm runs them everywhere."""
+    runs = run_all(tmp_path, overlong_buffer=OverlongBufferConfig(len=2),
+                   reward_model=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", kind="value")),
+                   algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_reward_coef=0.05,
+                                             kl_ctrl=KLControlConfig(type="adaptive", target_kl=1e-6, horizon=100)))
+    assert_same_training(runs)
+    coefs = [r["actor/reward_kl_penalty_coeff"] for r in runs["loop"] if "actor/reward_kl_penalty_coeff" in r]
+    assert coefs[0] == 0.05 and coefs[-1] != coefs[0]  # the controller moved, and moved alike everywhere
+    assert all("reward_model/score/mean" in r for r in runs["dag"] if r["step"] > 0)
+    assert any(r.get("reward/overlong/mean", 0) > 0 for r in runs["rollout_sync"])
+
+
+def test_the_multi_controller_colocated_sync_shares_the_actors_tensors(tmp_path):
+    """A DAG worker's actor and rollout, both `hf` in one process, share parameters: a sync copies nothing (before,
+    a class-name test that no class passed made every sync gather and load the whole state dict), and the
+    rollout's parameters are the actor's own storage after training steps moved them."""
+    config = DAGConfig(**settings(tmp_path, colocate_actor_rollout=True, dag=DAGSettings(executor="multi_controller")))
+    config.trainer.num_steps = 2
+    pipeline = DAGPipeline(config)
+    try:
+        worker = pipeline.clusters["dag"]._group.hosts[0]._workers["dag"]  # local backend: in this process
+        rollout = worker.colocated_worker("rollout").strategy
+        loads = []
+        rollout.import_weights = lambda buckets: loads.append(buckets)
+        pipeline.run()
+        assert loads == []  # two syncs, nothing copied
+        actor = worker.colocated_worker("actor").strategy.hf_model
+        for (name, ours), (_, theirs) in zip(actor.named_parameters(), rollout.hf_model.named_parameters()):
+            assert ours.data_ptr() == theirs.data_ptr(), name
+    finally:
+        pipeline.shutdown()
+
+
+def test_remax_generates_its_greedy_baseline_in_all_three_alike(tmp_path):
+    """ReMax's greedy baseline rollout: the loop's rollout worker, the rollout system's engines, a workflow node."""
+    runs = run_all(tmp_path, algorithm=AlgorithmConfig(adv_estimator="remax"))
+    assert_same_training(runs)
+    assert all("critic/baseline_score/mean" in r for name in DRIVERS for r in runs[name] if r["step"] > 0)
