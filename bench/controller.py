@@ -55,7 +55,7 @@ class Reps:
 
     @classmethod
     def for_mode(cls, quick: bool) -> "Reps":
-        return cls(noop_calls=100, echo_calls=12, local_ops=30, rss_runs=2) if quick else cls(400, 80, 100, 4)
+        return cls(noop_calls=30, echo_calls=4, local_ops=5, rss_runs=1) if quick else cls(400, 80, 100, 4)
 
 
 # --- workers -------------------------------------------------------------------------------------
@@ -71,9 +71,10 @@ class BenchWorker(Worker):
         return data
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
-    def produce(self, num_rows: int) -> DataProto:
-        """num_rows x RSS_COLS float32 rows, filled with this worker's rank."""
-        values = torch.full((num_rows, RSS_COLS), float(self.rank), dtype=torch.float32)  # [rows, cols]
+    def produce(self, requests: DataProto) -> DataProto:
+        """One RSS_COLS float32 row per request row (as a rollout turns small prompts into large samples), filled
+        with this worker's rank."""
+        values = torch.full((len(requests), RSS_COLS), float(self.rank), dtype=torch.float32)  # [rows, cols]
         return DataProto.from_dict({"values": values})
 
     @register(Dispatch.DP_COMPUTE)
@@ -216,8 +217,12 @@ def bench_driver_rss(producer, consumer, reps: Reps) -> dict:
     sizes = {"1x": RSS_ROWS_1X, "8x": RSS_ROWS_1X * RSS_SCALE}
     sum_per_row = sum(float(rank) * RSS_COLS for rank in range(NUM_WORKERS))  # over one row of every shard
 
+    def requests(num_rows: int) -> DataProto:
+        """num_rows request rows per worker: 8 bytes each in the driver, against RSS_COLS * 4 bytes produced."""
+        return DataProto.from_dict({"index": torch.arange(num_rows * NUM_WORKERS)})  # [rows]
+
     def by_reference(num_rows: int) -> None:
-        summary = consumer.consume(producer.produce(num_rows))
+        summary = consumer.consume(producer.produce(requests(num_rows)))
         assert len(summary) == NUM_WORKERS
         assert float(summary.batch["sum"].sum()) == sum_per_row * num_rows
 
@@ -239,7 +244,7 @@ def bench_driver_rss(producer, consumer, reps: Reps) -> dict:
     gc.collect()
     before_get = sampler.rss()
     with sampler:
-        data = producer.produce(sizes["8x"]).get()
+        data = producer.produce(requests(sizes["8x"])).get()
     fetched_bytes = sum(v.numel() * v.element_size() for v in data.batch.values())
     del data
     gc.collect()

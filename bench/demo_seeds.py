@@ -4,8 +4,8 @@ Each seed runs as its own `baton run seed=N` process, as a user would run it (Ra
 its wall time), into `RUN_DIR/seed_N`, replacing that seed's earlier run there (`overwrite=true`). Prints
 one row per seed: the SFT checkpoint's held-out accuracy, the final accuracy after GRPO, the lift in
 points and the wall time; then the spread. `--threads N` gives every worker N torch threads (the
-rounding of the kernels changes with it), `--quick` runs fewer steps (a smoke run: its lifts are not
-the demo's), extra `key=value` arguments go to every run.
+rounding of the kernels changes with it), `--quick` runs one seed (unless `--seeds` says) with a few small
+steps (a smoke run: its lifts are not the demo's), extra `key=value` arguments go to every run.
 
     .venv/bin/python bench/demo_seeds.py [--seeds 0 1 2 3 4] [--threads 1] [--quick] [--json out.json] [--check] [key=value ...]
 """
@@ -22,8 +22,10 @@ import time
 
 from common import finish, parser as common_parser
 
-QUICK = ["sft.trainer.num_steps=60", "sft.trainer.val_every_steps=30", "rlvr.trainer.num_steps=20",
-         "rlvr.trainer.val_every_steps=10"]
+SEEDS, SEEDS_QUICK = [0, 1, 2, 3, 4], [0]
+QUICK = ["sft.trainer.num_steps=10", "sft.trainer.val_every_steps=5", "sft.trainer.num_prompts_per_step=16",
+         "rlvr.trainer.num_steps=2", "rlvr.trainer.val_every_steps=1", "rlvr.trainer.num_prompts_per_step=4",
+         "data.num_val_examples=16"]
 RUN_TIMEOUT_S = 1800  # one demo run; the target is 600 s, so this only catches a hung run
 TARGETS = {"min_lift_points": 15.0, "median_lift_points": 20.0, "max_wall_s": 600.0}
 
@@ -64,11 +66,12 @@ def run_seed(seed: int, run_dir: str, overrides: list[str]) -> dict:
 
 def main() -> int:
     parser = common_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", help=f"default {SEEDS}; {SEEDS_QUICK} with --quick")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the config's)")
     parser.add_argument("--run-dir", default="runs/demo_seeds")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
+    args.seeds = args.seeds or (SEEDS_QUICK if args.quick else SEEDS)
     overrides = (QUICK if args.quick else []) + list(args.overrides)
     if args.threads is not None:
         overrides += [f"sft.actor.num_threads_per_worker={args.threads}", f"rlvr.actor.num_threads_per_worker={args.threads}"]

@@ -48,6 +48,7 @@ MODELS = {
     "medium": {"base": "small-qwen2", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 10,
                "num_attention_heads": 8, "num_key_value_heads": 4},
 }
+QUICK_MODEL = "small-qwen2"  # --quick: a smoke run, its figures are not the bench's
 SEED = 0
 PAD_ID = SPECIAL_TOKENS.index("<pad>")
 FIRST_CHAR_ID = len(SPECIAL_TOKENS)
@@ -239,13 +240,14 @@ def print_report(figures: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = common_parser(__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--models", help=f"comma-separated, of {sorted(MODELS)} (default: all; small-qwen2 with --quick)")
     default_engines = [e for e in ENGINES if HAS_VLLM or e != "vllm_engine"]
     parser.add_argument("--engines", default=",".join(default_engines),
                         help=f"comma-separated, of {sorted(ENGINES)} (default: those installed)")
     parser.add_argument("--child", metavar="ENGINE", help=argparse.SUPPRESS)  # run one engine and write its figures
     args = parser.parse_args(argv)
-    models, engines = args.models.split(","), args.engines.split(",")
+    models = args.models.split(",") if args.models else [QUICK_MODEL] if args.quick else list(MODELS)
+    engines = args.engines.split(",")
     if args.threads < 1:
         parser.error(f"--threads {args.threads} must be >= 1")
     if any(m not in MODELS for m in models):

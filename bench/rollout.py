@@ -41,6 +41,9 @@ torch forward/backward takes on the trainer's core while another process runs to
 is above 1, the cores share their vector units or memory path, the update runs slower beside generation than alone,
 and an overlapped step's train (printed over the sync run's) is longer than the sync run's max(gen, train).
 
+`--quick` is a smoke run (a 10-step SFT checkpoint, one seed, 3 steps of 4 prompts, one contention timing): its
+figures are not the bench's.
+
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1 2] [--run-dir runs/bench_rollout]
                                       [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--probe-every-syncs N]
                                       [--no-pin]
@@ -84,10 +87,12 @@ MODES = ("sync", "one_step_off", "async")
 NUM_RAY_CPUS = 2
 TRAINER_CORES, ENGINE_CORES = [0], [1]  # the driver's threads go on the engine's core
 
-SFT_STEPS = 1500  # the demo's SFT stage (about 2 minutes on two idle cores; 56.5% held-out accuracy)
+SFT_STEPS, SFT_STEPS_QUICK = 1500, 10  # the demo's SFT stage (about 2 minutes on two idle cores; 56.5% held-out accuracy)
 NUM_STEPS, NUM_STEPS_QUICK = 30, 3
 NUM_WARMUP_STEPS = 1
-NUM_PROMPTS_PER_STEP, NUM_PROMPTS_PER_STEP_QUICK = 64, 16  # --quick: a smoke run, its figures are not the bench's
+NUM_PROMPTS_PER_STEP, NUM_PROMPTS_PER_STEP_QUICK = 64, 4  # --quick: a smoke run, its figures are not the bench's
+SEEDS, SEEDS_QUICK = [0, 1, 2], [0]
+CONTENTION_REPS, CONTENTION_REPS_QUICK = 7, 1
 SAMPLES_PER_PROMPT = 16
 MAX_NEW_TOKENS = 8
 MAX_STALENESS = 1
@@ -236,7 +241,7 @@ _COMPETITOR = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nimp
                "a = torch.randn(256, 256)\na @ a\nprint('ready', flush=True)\nwhile True:\n    a @ a")
 
 
-def core_contention(core: int, other_core: int, num_reps: int = 7) -> float:
+def core_contention(core: int, other_core: int, num_reps: int) -> float:
     """How many times longer a one-thread torch forward and backward takes on `core` while another process runs torch
     matmuls on `other_core` than while that core idles: medians of `num_reps` timings each, alternated. On a machine
     whose cores share their vector units or memory path, the trainer runs this much slower while an engine
@@ -279,11 +284,12 @@ def main() -> int:
     parser = common_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help=f"GRPO steps per mode (default {NUM_STEPS}; "
                                                                  f"--quick {NUM_STEPS_QUICK})")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="one run per mode and seed (default 0 1 2: each mode once in each place of the order)")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help=f"one run per mode and seed (default {SEEDS}: each mode once in each place of the order; "
+                             f"{SEEDS_QUICK} with --quick)")
     parser.add_argument("--run-dir", default="runs/bench_rollout")
     parser.add_argument("--sft-checkpoint", metavar="PATH", help="an HF checkpoint directory to start GRPO from")
-    parser.add_argument("--sft-steps", type=int, default=SFT_STEPS, help=f"SFT steps (default {SFT_STEPS})")
+    parser.add_argument("--sft-steps", type=int, help=f"SFT steps (default {SFT_STEPS}; {SFT_STEPS_QUICK} with --quick)")
     parser.add_argument("--fresh", action="store_true", help="train the SFT checkpoint again")
     parser.add_argument("--no-trim-padding", dest="trim_padding", action="store_false",
                         help="the actor's micro-batches keep their all-padding columns (strategy.trim_padding off)")
@@ -295,15 +301,18 @@ def main() -> int:
     args = parser.parse_args()
     num_steps = args.steps or (NUM_STEPS_QUICK if args.quick else NUM_STEPS)
     num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else NUM_PROMPTS_PER_STEP
+    args.seeds = args.seeds or (SEEDS_QUICK if args.quick else SEEDS)
+    sft_steps = args.sft_steps or (SFT_STEPS_QUICK if args.quick else SFT_STEPS)
     if num_steps <= NUM_WARMUP_STEPS:
         parser.error(f"--steps must be > {NUM_WARMUP_STEPS} (the first steps are a warm-up)")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(NUM_RAY_CPUS)  # the SFT stage runs here, alone
     load_start = load_average()
     checkpoint = os.path.abspath(args.sft_checkpoint) if args.sft_checkpoint else \
-        sft_checkpoint(args.run_dir, args.fresh, args.sft_steps)
+        sft_checkpoint(args.run_dir, args.fresh, sft_steps)
     torch.set_num_threads(1)  # the driver of the GRPO runs stays light
-    contention = core_contention(TRAINER_CORES[0], ENGINE_CORES[0]) if args.pin else None
+    contention = core_contention(TRAINER_CORES[0], ENGINE_CORES[0], CONTENTION_REPS_QUICK if args.quick else
+                                 CONTENTION_REPS) if args.pin else None
     print(f"GRPO from {checkpoint}: {num_steps} steps × {num_prompts_per_step} prompts × {SAMPLES_PER_PROMPT} samples "
           f"(≤ {MAX_NEW_TOKENS} tokens) per mode, seeds {args.seeds}; actor and engine in separate Ray workers, "
           f"1 torch thread each, {NUM_RAY_CPUS} Ray CPUs, {os.cpu_count()} cores"

@@ -53,11 +53,11 @@ FIRST_CHAR_ID = len(SPECIAL_TOKENS)
 # Outside the vocabulary, so no row can stop early: both sides generate exactly NEW_TOKENS per row.
 NEVER_SAMPLED_ID = CHAR_VOCAB_SIZE
 
-NUM_PROMPTS = 32
+NUM_PROMPTS, NUM_PROMPTS_QUICK = 32, 8  # --quick: a smoke run, its figures are not the bench's
 SAMPLES_PER_PROMPT = 4
 PROMPT_LEN = 16  # left-padded; real lengths 8..16
 NEW_TOKENS = 32
-TRAIN_ROWS = 128
+TRAIN_ROWS, TRAIN_ROWS_QUICK = 128, 16
 RESPONSE_LEN = 32  # right-padded; real lengths 16..32, so rows are 48 columns
 
 TARGET_TIME_RATIO = 1.15  # baton / plain, per call
@@ -71,7 +71,7 @@ class Reps:
 
     @classmethod
     def for_mode(cls, quick: bool) -> "Reps":
-        return cls(warmup=1, generate_calls=3, train_steps=3) if quick else cls(warmup=2, generate_calls=7, train_steps=5)
+        return cls(warmup=1, generate_calls=2, train_steps=2) if quick else cls(warmup=2, generate_calls=7, train_steps=5)
 
 
 # --- workers -------------------------------------------------------------------------------------
@@ -188,18 +188,18 @@ def left_padded(rows: int, width: int, min_len: int, generator: torch.Generator)
     return ids, mask
 
 
-def make_prompts(generator: torch.Generator) -> dict[str, torch.Tensor]:
-    input_ids, attention_mask = left_padded(NUM_PROMPTS, PROMPT_LEN, PROMPT_LEN // 2, generator)
+def make_prompts(num_prompts: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    input_ids, attention_mask = left_padded(num_prompts, PROMPT_LEN, PROMPT_LEN // 2, generator)
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def make_train_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+def make_train_batch(num_rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Rows shaped like generate's output: left-padded prompts then right-padded responses, with advantages."""
-    prompts, prompt_mask = left_padded(TRAIN_ROWS, PROMPT_LEN, PROMPT_LEN // 2, generator)
-    responses, response_mask = left_padded(TRAIN_ROWS, RESPONSE_LEN, RESPONSE_LEN // 2, generator)
+    prompts, prompt_mask = left_padded(num_rows, PROMPT_LEN, PROMPT_LEN // 2, generator)
+    responses, response_mask = left_padded(num_rows, RESPONSE_LEN, RESPONSE_LEN // 2, generator)
     responses, response_mask = responses.flip(1), response_mask.flip(1)  # right padding
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [rows, prompt_len + response_len]
-    advantages = torch.randn(TRAIN_ROWS, 1, generator=generator).expand(-1, RESPONSE_LEN).contiguous()
+    advantages = torch.randn(num_rows, 1, generator=generator).expand(-1, RESPONSE_LEN).contiguous()
     return {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask), "responses": responses,
             "response_mask": response_mask, "advantages": advantages}
@@ -232,7 +232,7 @@ def bench_generate(rollout, prompts: dict[str, torch.Tensor], reps: Reps, profil
     prompt_batch = DataProto.from_dict(dict(prompts))
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, n=SAMPLES_PER_PROMPT,
                             stop_token_ids=(NEVER_SAMPLED_ID,))
-    expected_tokens = NUM_PROMPTS * SAMPLES_PER_PROMPT * NEW_TOKENS
+    expected_tokens = len(prompts["input_ids"]) * SAMPLES_PER_PROMPT * NEW_TOKENS
 
     def baton_side():
         tokens = int(rollout.generate(prompt_batch, params).batch["response_mask"].sum())
@@ -300,8 +300,8 @@ def print_report(figures: dict) -> None:
           + ("  (busy machine: ratios are noisier)" if max(load.values()) > figures["os_cpu_count"] else ""))
     reps = figures["repetitions"]
     gen, train = figures["generate"], figures["train"]
-    print(f"generate: {NUM_PROMPTS} prompts x {SAMPLES_PER_PROMPT} samples x {NEW_TOKENS} new tokens, "
-          f"{reps['generate_calls']} calls per side; train: {TRAIN_ROWS} rows x {PROMPT_LEN + RESPONSE_LEN} columns "
+    print(f"generate: {figures['num_prompts']} prompts x {SAMPLES_PER_PROMPT} samples x {NEW_TOKENS} new tokens, "
+          f"{reps['generate_calls']} calls per side; train: {figures['train_rows']} rows x {PROMPT_LEN + RESPONSE_LEN} columns "
           f"({train['tokens_per_call']} real tokens), {reps['train_steps']} steps per side; {reps['warmup']} warm-up calls each\n")
     header = (f"{'measurement':<22}{'baton s':>9}{'in worker':>11}{'plain s':>9}{'baton tok/s':>13}{'plain tok/s':>13}"
               f"{'ratio':>7}   {'target':<9}result")
@@ -333,13 +333,15 @@ def run_benchmarks(reps: Reps, num_threads: int, quick: bool, profile: bool) -> 
         manager,
     )
     try:
+        num_prompts, train_rows = (NUM_PROMPTS_QUICK, TRAIN_ROWS_QUICK) if quick else (NUM_PROMPTS, TRAIN_ROWS)
         figures = {"os_cpu_count": os.cpu_count(), "model": MODEL, "quick": quick, "repetitions": dataclasses.asdict(reps),
+                   "num_prompts": num_prompts, "train_rows": train_rows,
                    "load_average_1min": {"start": os.getloadavg()[0]}, "driver_niceness": os.nice(0),
                    "threads": {"driver": torch.get_num_threads(), "rollout": rollout.set_num_threads(num_threads)[0],
                                "actor": actor.set_num_threads(num_threads)[0]}}
         generator = torch.Generator().manual_seed(SEED)
-        figures["generate"] = bench_generate(rollout, make_prompts(generator), reps, profile)
-        figures["train"] = bench_train(actor, make_train_batch(generator), reps, profile)
+        figures["generate"] = bench_generate(rollout, make_prompts(num_prompts, generator), reps, profile)
+        figures["train"] = bench_train(actor, make_train_batch(train_rows, generator), reps, profile)
         figures["load_average_1min"]["end"] = os.getloadavg()[0]
     finally:
         for cluster in (rollout, actor):
