@@ -1,5 +1,8 @@
 """Every bench in bench/ runs in its `--quick` mode and writes the JSON keys it promises: a bench no test runs rots
-unseen. Only keys and counts are checked, never a time or a speed (a quick run's figures are not the bench's)."""
+unseen. Only keys and counts are checked, never a time or a speed (a quick run's figures are not the bench's).
+
+Each bench pays its own imports, Ray start and worker builds (minutes in all), so these are marked `benches`:
+the README's test command leaves them out (pyproject.toml) and `.ci/run` runs them as a pass of their own."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.benches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Only catches a hang: a quick bench took up to ~7 minutes on a 2-core machine under a load average of 10-28.
