@@ -9,7 +9,6 @@ import json
 import math
 import os
 
-import pytest
 
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import (AlgorithmConfig, DataConfig, KLControlConfig, OverlongBufferConfig, RLVRConfig,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-import numpy as np
 
 from baton.datasets import DataError, PromptDataset, PromptSampler
 from baton.datasets.prompts import group_seeds, sample_seed
