@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     from baton.config import ConfigError
     from baton.distributed import LayoutError
-    from baton.pipelines.base import TrainingInterrupted
+    from baton.pipelines.signals import TrainingInterrupted
 
     config = None
     try:

@@ -38,7 +38,7 @@ from transformers.utils import logging as transformers_logging
 
 from common import finish, parser as common_parser
 
-from baton.pipelines.base import checkpoint_path, list_checkpoints, run_pipeline
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
     DataConfig,
@@ -50,6 +50,7 @@ from baton.pipelines.config import (
 )
 from baton.datasets.load import load_datasets
 from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.run_dir import checkpoint_path, list_checkpoints
 from baton.pipelines.sft import SFTPipeline
 from baton.rewards import get_reward_fn
 from baton.strategy import OptimizerConfig, StrategyConfig

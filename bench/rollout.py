@@ -76,10 +76,11 @@ import torch
 from common import finish, local_ray, parser as common_parser
 
 from baton.distributed.worker import pin_to_cores
-from baton.pipelines.base import checkpoint_path, list_checkpoints, run_pipeline
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import SamplingConfig
 from baton.pipelines.demo import DemoConfig, _from_checkpoint
 from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline, _demo_rlvr_default
+from baton.pipelines.run_dir import checkpoint_path, list_checkpoints
 from baton.pipelines.sft import SFTPipeline
 from baton.rollout.config import RolloutSystemConfig
 

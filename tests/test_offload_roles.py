@@ -17,12 +17,13 @@ import torch
 from baton.cli import resolve
 from baton.datasets.arith_prefs import write_pairs
 from baton.pipelines import dpo as dpo_module, policy
-from baton.pipelines.base import run_pipeline, time_sharing_roles
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import (AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig,
                                     TrainerConfig)
 from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSettings
 from baton.pipelines.dpo import DPOConfig, DPOPipeline, PairDataConfig
 from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.time_sharing import time_sharing_roles
 from baton.rl import StaleSamplesWarning
 from baton.strategy import StrategyConfig
 from baton.workers import ActorWorker, ReferenceWorker, RolloutWorker, TeacherWorker
@@ -182,7 +183,7 @@ def test_auto_is_on_only_on_gpus(tmp_path, calls):
     finally:
         pipeline.shutdown()
     offloads = [c for c in calls if c[1] == "offload"]
-    assert bool(offloads) == bool(pipeline.resident) == torch.cuda.is_available()  # the local backend's strategies
+    assert bool(offloads) == bool(pipeline.time_sharing.resident) == torch.cuda.is_available()  # the local backend's strategies
 
 
 def test_a_colocated_actor_and_rollout_stay_and_the_reference_takes_turns_with_them(tmp_path, calls):
@@ -191,7 +192,7 @@ def test_a_colocated_actor_and_rollout_stay_and_the_reference_takes_turns_with_t
         pipeline.run()
     finally:
         pipeline.shutdown()
-    assert list(pipeline.resident) == ["reference"]
+    assert list(pipeline.time_sharing.resident) == ["reference"]
     assert {role for role, method in calls if method in ("offload", "reload")} == {"reference"}
     assert [m for role, m in calls if role == "reference"] == ["offload"] + ["reload", "forward", "offload"] * 2
 

@@ -11,9 +11,10 @@ import yaml
 from safetensors.torch import load_file
 
 from baton.cli import resolve
-from baton.pipelines.base import checkpoint_path, run_pipeline
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.run_dir import checkpoint_path
 from baton.rl import StaleSamplesWarning
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.tracking.tracker import read_metrics

@@ -250,7 +250,7 @@ def test_a_resumed_demo_skips_its_finished_sft_stage_and_continues_rlvr(tmp_path
 def test_ctrl_c_stops_after_the_step_unless_it_was_the_last(tmp_path, interrupt_at):
     import signal
 
-    from baton.pipelines.base import TrainingInterrupted
+    from baton.pipelines.signals import TrainingInterrupted
 
     class Interrupted(RLVRPipeline):
         def end_step(self, step, metrics, label, key):

@@ -11,10 +11,11 @@ import pytest
 
 from baton.cli import main
 from baton.config import ConfigError
-from baton.pipelines.base import list_checkpoints, run_pipeline
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.preflight import check_machine
 from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.run_dir import list_checkpoints
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import StrategyConfig
 from baton.tracking.tracker import read_metrics
@@ -126,7 +127,7 @@ def test_after_a_resume_the_metrics_have_each_step_once(tmp_path):
 
 
 def test_a_local_ray_instance_listens_on_loopback_with_rays_own_authentication():
-    script = ("import os, ray\nfrom baton.pipelines.base import start_ray\nfrom baton.pipelines.config import TrainerConfig\n"
+    script = ("import os, ray\nfrom baton.pipelines.ray_start import start_ray\nfrom baton.pipelines.config import TrainerConfig\n"
               "start_ray(TrainerConfig(num_cpus=1))\n"
               "@ray.remote(num_cpus=0)\ndef where(): return ray.util.get_node_ip_address()\n"
               "print(ray.get(where.remote()), ray.get_runtime_context().gcs_address, os.environ.get('RAY_AUTH_MODE'))\n"

@@ -8,9 +8,10 @@ import signal
 
 import pytest
 
-from baton.pipelines.base import TrainingInterrupted, run_pipeline
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.rlvr import RLVRPipeline
+from baton.pipelines.signals import TrainingInterrupted
 from baton.strategy import StrategyConfig
 from baton.tracking.plot import choose_panels, plot_run
 

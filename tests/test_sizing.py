@@ -11,8 +11,8 @@ from baton import Cluster, Worker, WorkerConfig, register
 from baton.config import ConfigError
 from baton.distributed import LayoutError, OversubscriptionWarning
 from baton.distributed.worker import usable_cpu_count
-from baton.pipelines.base import start_ray
 from baton.pipelines.config import RLVRConfig, RoleConfig, TrainerConfig
+from baton.pipelines.ray_start import start_ray
 
 
 class Threads(Worker):

@@ -159,7 +159,7 @@ class DAGPipeline(RLVRPipeline):
 
     def __init__(self, config: DAGConfig):
         super().__init__(config)
-        if self.resident:
+        if self.time_sharing.resident:
             raise ConfigError("trainer.offload_idle_roles: roles taking turns on shared devices are not scheduled by "
                               "the workflow executor yet; set trainer.offload_idle_roles: false, or run RLVRPipeline")
         self._check_needs()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from baton.config import ConfigError, import_object
-from baton.pipelines.base import list_checkpoints, previous_run, remove_previous_run, run_dir_in_use, run_pipeline
+from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import (
     AlgorithmConfig,
     DataConfig,
@@ -23,6 +23,7 @@ from baton.pipelines.config import (
     SFTConfig,
     TrainerConfig,
 )
+from baton.pipelines.run_dir import list_checkpoints, previous_run, remove_previous_run, run_dir_in_use
 from baton.strategy import OptimizerConfig, SchedulerConfig, StrategyConfig
 from baton.tracking import plot_run
 

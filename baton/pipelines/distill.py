@@ -181,6 +181,7 @@ class DistillPipeline(Pipeline):
         self.teacher = clusters["teacher"]
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]  # the teacher is frozen: rebuilt from its model on resume
+        self.sampling_clusters = ["rollout", "teacher"]
         algo = config.algorithm
         self.loss = DistillLoss(algo.loss_type, algo.beta, algo.loss_agg_mode, algo.sft_weight)
         self.teacher_val: dict[str, float] | None = None
@@ -209,7 +210,7 @@ class DistillPipeline(Pipeline):
         else:
             prompts = collate_prompts(self.train_data, indices, self.tokenizer, data.max_prompt_len)
             if self.config.response_source == "student":
-                self.sync_rollout()  # the rollout samples with the student's latest weights
+                self.sync_weights()  # the rollout samples with the student's latest weights
                 generator = self.rollout
             else:
                 self.on_device("teacher")
@@ -229,7 +230,7 @@ class DistillPipeline(Pipeline):
     # --- validation and state -------------------------------------------------------------------
 
     def validate(self) -> dict[str, float]:
-        self.sync_rollout()
+        self.sync_weights()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 
@@ -242,12 +243,10 @@ class DistillPipeline(Pipeline):
         return self.teacher_val
 
     def pipeline_state(self) -> dict:
-        return {**super().pipeline_state(), "teacher_sampling": self.teacher.sampling_state(),
-                "teacher_val": self.teacher_val}
+        return {**super().pipeline_state(), "teacher_val": self.teacher_val}
 
     def load_pipeline_state(self, state: dict) -> None:
         super().load_pipeline_state(state)
-        self.teacher.load_sampling_state(state["teacher_sampling"])
         self.teacher_val = state["teacher_val"]
 
     # --- the loop ----------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ class DistillDemoPipeline(TwoStagePipeline):
         return run_pipeline(pipeline_cls, stage_config)
 
     def run(self) -> dict:
-        from baton.pipelines.base import list_checkpoints
+        from baton.pipelines.run_dir import list_checkpoints
         from baton.pipelines.distill import DistillPipeline
         from baton.pipelines.sft import SFTPipeline
 

@@ -192,6 +192,7 @@ class DPOPipeline(Pipeline):
         self.reference = clusters.get("reference")
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]  # the reference is frozen: rebuilt from its model on resume
+        self.sampling_clusters = ["rollout"]
         self.loss = DPOLoss(algo.loss_type, algo.beta, algo.label_smoothing, algo.simpo_gamma)
         # Roles on the same devices take turns (trainer.offload_idle_roles): the reference scores, the actor trains,
         # the validation rollout generates. Colocated, the actor and rollout share tensors: neither is offloaded.
@@ -219,7 +220,7 @@ class DPOPipeline(Pipeline):
         return rows, val, tokenizer
 
     def validate(self) -> dict[str, float]:
-        self.sync_rollout()
+        self.sync_weights()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 

@@ -12,7 +12,7 @@ import os
 
 from baton.checkpoint import PIPELINE_STATE, has_state
 from baton.config import import_object, load_config, load_yaml
-from baton.pipelines.base import list_checkpoints
+from baton.pipelines.run_dir import list_checkpoints
 from baton.pipelines.config import DataConfig, SamplingConfig
 
 

@@ -127,6 +127,7 @@ class GeneratePipeline(Pipeline):
                                                      config.reward_on_error, config.reward.num_processes_per_worker,
                                                      config.reward.timeout_s_per_row))})
         self.rollout, self.reward = clusters["rollout"], clusters["reward"]
+        self.sampling_clusters = ["rollout"]
         self.maybe_resume()
 
     @classmethod

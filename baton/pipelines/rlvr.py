@@ -14,6 +14,7 @@ import warnings
 from baton.algorithms import estimator_needs
 from baton.data import DataProto
 from baton.datasets import PromptSampler, collate_prompts
+from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
@@ -51,6 +52,7 @@ class RLVRPipeline(Pipeline):
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
                                             self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
+        self.sampling_clusters = ["rollout"]
         # Roles on the same devices take turns (trainer.offload_idle_roles): the rollout generates, then the
         # actor, reference and critic compute. Colocated actor and rollout share tensors: neither is offloaded.
         self.share_devices([["rollout"], ["actor", "reference", "critic"]],
@@ -68,6 +70,10 @@ class RLVRPipeline(Pipeline):
         self.baseline_sampling = (SamplingParams(temperature=0.0, max_new_tokens=config.sampling.max_new_tokens, n=1)
                                   if self.algorithm.needs.baseline_rollout else None)
         self.maybe_resume()
+
+    @classmethod
+    def load_data(cls, config: RLVRConfig):
+        return load_datasets(config.data, config.actor.strategy.tokenizer)
 
     def extra_roles(self, config: RLVRConfig) -> dict:
         """Further clusters to start with the loop's (name → (worker class, settings, constructor args)); none."""
@@ -123,7 +129,7 @@ class RLVRPipeline(Pipeline):
                         rewards.meta_info.setdefault("metrics", {}).update(model_metrics)
                 batch, train_metrics = self.algorithm.train_on(batch, self.training_roles(), self.timer)
                 if step % trainer.sync_every_steps == 0:
-                    self.sync_rollout()
+                    self.sync_weights()
             metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(batch),
                        **model_score_metrics(rewards), **train_metrics, **self.timings}
             self.algorithm.watch(step, metrics)
@@ -142,7 +148,7 @@ class RLVRPipeline(Pipeline):
                         self.config.data.max_prompt_len)
 
     def roles_to_save_from(self) -> list[str]:
-        return ["rollout", *self.checkpoint_clusters]  # the rollout's sampling state is saved too (pipeline_state)
+        return [*self.sampling_clusters, *self.checkpoint_clusters]  # sampling states are read too (pipeline_state)
 
 
 def reward_model_role(config: RLVRConfig) -> tuple:

@@ -22,12 +22,13 @@ import torch
 from baton.config import ConfigError
 from baton.data import DataProto
 from baton.datasets import PromptDataset
-from baton.datasets.load import load_prompt_file
-from baton.pipelines.base import Pipeline, cluster_devices, on_gpus
+from baton.datasets.load import load_datasets, load_prompt_file
+from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig, RoleConfig
 from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.policy import probe_tolerance
 from baton.pipelines.rlvr import reward_model_role
+from baton.pipelines.time_sharing import cluster_devices, on_gpus
 from baton.rl import RLAlgorithm, SFTLoss, StaleSamplesWarning, TrainingRoles, add_model_scores
 from baton.rl.metrics import reward_extra_metrics
 from baton.rollout import RolloutDataSource, Sample
@@ -168,7 +169,7 @@ class RolloutRLVRPipeline(Pipeline):
     @classmethod
     def load_data(cls, config: RolloutRLVRConfig):
         """With the SFT loss, one row per demonstration (as SFT trains), so each sample has one response."""
-        train, val, tokenizer = super().load_data(config)
+        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
         if config.loss == "sft":
             train = train.one_response_per_row(config.data.sft_response_key)
         return train, val, tokenizer

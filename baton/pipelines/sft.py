@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from baton.datasets import PromptSampler, collate_sft
+from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import SFTConfig
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
@@ -31,16 +32,17 @@ class SFTPipeline(Pipeline):
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
         self.checkpoint_clusters = ["actor"]
+        self.sampling_clusters = ["rollout"]
         self.loss = SFTLoss()
         self.maybe_resume()
 
     @classmethod
     def load_data(cls, config: SFTConfig):
-        train, val, tokenizer = super().load_data(config)
+        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
         return train.one_response_per_row(config.data.sft_response_key), val, tokenizer
 
     def validate(self) -> dict[str, float]:
-        self.sync_rollout()
+        self.sync_weights()
         return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
                         self.config.data.max_prompt_len)
 
