@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from baton.config import ConfigError
 from baton.datasets.config import DataConfig
 from baton.distributed import WorkerConfig
-from baton.rl.config import AlgorithmConfig, KLControlConfig, check_choice
+# The typed tree of a run: the configs of the components it holds (data, algorithm) are theirs, named here too.
+from baton.rl.config import AlgorithmConfig, KLControlConfig, check_choice  # noqa: F401
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 from baton.strategy.capabilities import Capabilities, backends_that, capabilities
 
