@@ -45,7 +45,8 @@ def generate(ctx: NodeContext, batch) -> NodeOutput:
 def greedy_baseline(ctx: NodeContext, batch) -> NodeOutput:
     """ReMax: one greedy response per prompt (`ctx.workflow.baseline_sampling`), scored by the reward role; its
     reward (token-level scores summed, as verl) per prompt goes downstream as `meta_info["reward_baselines_by_uid"]`
-    (one number a prompt, no rows), where the advantage node makes it each sample's `reward_baselines`."""
+    (one number a prompt, no rows), where the advantage node makes it each sample's `reward_baselines`. The caller
+    fetches these greedy rows (one a prompt, never the training batch) to key them by uid."""
     params = ctx.workflow.baseline_sampling
     if params is None:
         return NodeOutput(DataProto())
