@@ -455,14 +455,13 @@ class RolloutManager:
                    for name, dataset in self.eval_sets.items()}
         ctx = RolloutContext(self, dataclasses.replace(self.eval_sampling_params, n=1), self.num_groups_per_step,
                              evaluation=True)
-        errors, timeouts = self.rewarder.num_errors, self.rewarder.num_timeouts
         fn = self.eval_fn
-        with self._uncounted_reward_errors():  # eval's rows are not the training steps'
+        with self._uncounted_reward_errors() as counted:  # eval's rows are not the training steps'
             if inspect.iscoroutinefunction(fn):
                 results = self.run_bounded(fn(ctx, rollout_id, sources, True), f"eval {rollout_id}")
             else:
                 results = fn(ctx, rollout_id, sources, True)
-        errors, timeouts = self.rewarder.num_errors - errors, self.rewarder.num_timeouts - timeouts
+        errors, timeouts = counted
         out = {}
         for name, groups in results.items():
             samples = [s for g in groups for s in g]
@@ -494,12 +493,14 @@ class RolloutManager:
 
     @contextlib.contextmanager
     def _uncounted_reward_errors(self):
-        """The reward errors of rows scored meanwhile (eval, baselines) are left out of `reward_error_metrics`."""
+        """The reward errors of rows scored meanwhile (eval, baselines) are left out of `reward_error_metrics`; the
+        list it yields holds their (num_errors, num_timeouts) once the block ends."""
         errors, timeouts = self.rewarder.num_errors, self.rewarder.num_timeouts
-        yield
+        counted: list[int] = []
+        yield counted
+        counted += [self.rewarder.num_errors - errors, self.rewarder.num_timeouts - timeouts]
         reported = self._errors_reported
-        self._errors_reported = (reported[0] + self.rewarder.num_errors - errors,
-                                 reported[1] + self.rewarder.num_timeouts - timeouts)
+        self._errors_reported = (reported[0] + counted[0], reported[1] + counted[1])
 
     def reward_error_metrics(self) -> dict[str, float]:
         """`reward/num_errors` and `reward/num_timeouts` of the training groups scored since the last call (as the
