@@ -390,6 +390,29 @@ def test_colocated_roles_share_a_process(make_manager, backend):
         actor.shutdown()
 
 
+def test_a_worker_view_calls_its_rank_alone_and_cannot_restart_or_stop_alone(make_manager, backend):
+    """`worker_view(rank)`: one rank of a colocated cluster as a cluster of one (how the rollout system makes each
+    colocated engine a router engine of its own); its process is the whole cluster's, so it cannot restart alone."""
+    from baton.distributed import ClusterStoppedError
+
+    clusters = create_colocated_clusters({"actor": Actor, "rollout": Rollout}, WorkerConfig("fused", world_size=2), make_manager(backend))
+    actor, rollout = clusters["actor"], clusters["rollout"]
+    try:
+        second = rollout.worker_view(1)
+        assert second.world_size == 1 and second.pid() == [actor.pid()[1]]
+        second.bump_actor_weights()  # rank 1 alone: + 2
+        assert [weights for _, weights in actor.weights_now()] == [[0.0] * 3, [2.0] * 3]
+        assert len(second.placements) == 1 and second.placements[0] == actor.placements[1]
+        for stop in (second.restart, second.shutdown):
+            with pytest.raises(ClusterStoppedError, match="rank 1 cannot .* alone: its process is shared"):
+                stop()
+        assert [weights for _, weights in actor.weights_now()] == [[0.0] * 3, [2.0] * 3]  # nothing was lost
+        with pytest.raises(ValueError, match=r"ranks 0..1, not 2"):
+            rollout.worker_view(2)
+    finally:
+        actor.shutdown()
+
+
 class Tagged(Worker):
     def __init__(self, tag: str, scale: int = 1):
         self.tag = tag

@@ -287,10 +287,11 @@ class Cluster:
         view._attach(group, role)
         return view
 
-    def _attach(self, group: _Group, role: str) -> None:
+    def _attach(self, group: _Group, role: str, only_rank: int | None = None) -> None:
         self._group = group
         self._role = role
-        self._plain_layout = Layout.plain(group.world_size)  # for modes that need no RankInfo; built once
+        self._only_rank = only_rank  # a view of one worker (`worker_view`): its rank in the group
+        self._plain_layout = Layout.plain(self.world_size)  # for modes that need no RankInfo; built once
         self.worker_cls = group.roles[role].cls
         for name, spec in registered_methods(self.worker_cls).items():
             setattr(self, name, self._make_method(name, spec))
@@ -314,18 +315,34 @@ class Cluster:
     def name(self) -> str:
         return self._role
 
+    def worker_view(self, rank: int) -> "Cluster":
+        """Worker `rank` of this cluster alone, as a cluster of one: its calls go to that worker only, as a worker of
+        a world of one (e.g. one engine of a pool whose engines are the ranks of a colocated cluster). It cannot
+        restart or shut down alone: its process is its cluster's."""
+        if not 0 <= rank < self._group.world_size:
+            raise ValueError(f"cluster {self.name!r} has ranks 0..{self._group.world_size - 1}, not {rank}")
+        view = Cluster.__new__(Cluster)
+        view._attach(self._group, self._role, only_rank=rank)
+        return view
+
+    def _host_rank(self, rank: int) -> int:
+        return rank if self._only_rank is None else self._only_rank
+
     @property
     def world_size(self) -> int:
-        return self._group.world_size
+        return self._group.world_size if self._only_rank is None else 1
 
     @property
     def placements(self) -> list[Placement]:
-        return list(self._group.placements)
+        placements = self._group.placements
+        return list(placements) if self._only_rank is None else [placements[self._only_rank]]
 
     @property
     def layout(self) -> Layout:
         """Every worker's `RankInfo`, read from the workers once and cached until a non-dp call or a restart."""
         group = self._group
+        if self._only_rank is not None:  # a world of one
+            return self._plain_layout
         layout = group.layouts.get(self._role)
         if layout is None:
             refs = [group.backend.submit(h, "rank_info", self._role) for h in group.hosts]
@@ -349,9 +366,18 @@ class Cluster:
         CPUs) with the same contexts. Whatever they held beyond what their constructors build (weights
         loaded or trained by later calls, optimizer state) is lost: restore it, e.g. from a checkpoint.
         For a colocated view every role sharing the processes restarts. If the new workers fail to
-        start, the error is raised and the cluster is shut down.
+        start, the error is raised and the cluster is shut down. A `worker_view` cannot restart alone.
         """
+        self._refuse_alone("restart")
         self._group.restart()
+
+    def _refuse_alone(self, what: str) -> None:
+        if self._only_rank is not None:
+            roles = ", ".join(sorted(self._group.roles))
+            raise ClusterStoppedError(
+                f"cluster {self.name!r} rank {self._only_rank} cannot {what} alone: its process is shared by the "
+                f"whole cluster {self._group.name!r} (roles {roles}), whose state would be lost; {what} that cluster "
+                "instead (for a run: resume from its last checkpoint)")
 
     def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
         group = self._group
@@ -374,13 +400,14 @@ class Cluster:
             request = [self._role, method, (worker_args, worker_kwargs) if worker_args or worker_kwargs else None,
                        spec.materialize_futures]
             if wants_lengths and rank in collect:
-                length_refs[rank], refs[rank] = group.backend.submit(group.hosts[rank], "call_returning_length", request, num_returns=2)
+                length_refs[rank], refs[rank] = group.backend.submit(group.hosts[self._host_rank(rank)],
+                                                                     "call_returning_length", request, num_returns=2)
             else:
-                refs[rank] = group.backend.submit(group.hosts[rank], "call_own_thread" if spec.own_thread else "call",
+                refs[rank] = group.backend.submit(group.hosts[self._host_rank(rank)], "call_own_thread" if spec.own_thread else "call",
                                                   request)
         if not mode.needs_rank_info:
             group.layouts.pop(self._role, None)  # such calls may change a worker's RankInfo (e.g. a model-building call)
-        sources = [Source(self.name, rank, method) for rank in ranks]
+        sources = [Source(self.name, self._host_rank(rank), method) for rank in ranks]
         timeout_s, guard = group.config.call_timeout_s, group.monitor
 
         def finish(outputs: list) -> Any:
@@ -403,7 +430,7 @@ class Cluster:
         if wants_lengths:
             return DataProtoFuture(
                 [refs[r] for r in collect], group.backend.name, length_refs=[length_refs[r] for r in collect],
-                num_pad_rows=num_pad_rows, sources=[Source(self.name, r, method) for r in collect],
+                num_pad_rows=num_pad_rows, sources=[Source(self.name, self._host_rank(r), method) for r in collect],
                 expected_lengths=[_rows_in(*per_worker[r]) for r in collect] if spec.auto_padding else None,
                 combine=mode.combine_fn, _guard=guard, _timeout_s=timeout_s,
             )
@@ -411,6 +438,7 @@ class Cluster:
 
     def shutdown(self) -> None:
         """Stop this cluster's worker processes (for a colocated view: the shared processes) and free its devices."""
+        self._refuse_alone("shut down")
         self._group.shutdown()
 
     def __enter__(self) -> "Cluster":
