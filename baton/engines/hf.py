@@ -139,6 +139,27 @@ class HFEngine(ServingLoop):
             self.model.load_state_dict({k: v.to(self.device) for k, v in bucket.items()}, strict=False)
         self._weight_version = version
 
+    async def share_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Point the engine's parameters at `model`'s tensors (a model of the same architecture in this process: an
+        actor's), as weight `version`, between two steps: nothing is copied, and `model`'s in-place updates are the
+        engine's too."""
+        if version < self._weight_version:
+            raise ValueError(f"weight version {version} is older than the engine's {self._weight_version}; versions "
+                             "only go up")
+        await self._run(self._share_weights, model, version)
+
+    @torch.no_grad()
+    def _share_weights(self, model: torch.nn.Module, version: int) -> None:
+        theirs = dict(model.named_parameters())
+        ours = dict(self.model.named_parameters())
+        differ = sorted(n for n, p in ours.items() if n not in theirs or theirs[n].shape != p.shape)
+        if differ:
+            raise ValueError(f"cannot share weights: parameters {differ[:5]} differ between the engine's model and the "
+                             "actor's; the two sides hold different architectures")
+        for name, param in ours.items():
+            param.data = theirs[name].data
+        self._weight_version = version
+
     def _release(self) -> None:
         self.model.to("cpu")
         torch.cuda.empty_cache()
@@ -157,4 +178,7 @@ def serve(config: StrategyConfig, max_num_seqs: int = 256) -> ServedEngine:
     def log_probs(batch: DataProto, temperature: float) -> DataProto:
         return runner.run(engine.log_probs(batch, temperature), PROBE_TIMEOUT_S)
 
-    return ServedEngine(engine, runner, log_probs)
+    def share_weights(strategy, version: int) -> None:  # an `hf` strategy's model in this process
+        runner.run(engine.share_weights(strategy.hf_model, version), PROBE_TIMEOUT_S)
+
+    return ServedEngine(engine, runner, log_probs, share_weights)

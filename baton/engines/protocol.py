@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -170,8 +170,13 @@ class ServedEngine:
         given (right-padded) responses by the engine's current weights (the weight-sync probe; the `Engine` protocol
         does no scoring). Called from a worker thread; it runs between two of the engine's steps, so requests in
         flight wait for it and no weight load changes the model meanwhile.
+    share_weights: `(strategy, version) -> None`: point the engine's parameters at the tensors of a training strategy
+        of the same backend in this process (`Capabilities.shares_weights`: an engine colocated with an actor rank),
+        as weight `version`, between two steps; nothing is copied and the actor's updates need no sync after. None:
+        the engine holds its own copy of the weights.
     """
 
     engine: Engine
     runner: LoopThread
     log_probs: Callable[[DataProto, float], DataProto]
+    share_weights: Callable[[Any, int], None] | None = None

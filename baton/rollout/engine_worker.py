@@ -124,6 +124,15 @@ class EngineWorker(Worker):
         self.runner.run(self.engine.update_weights((_fetch(b).tensors for b in buckets), version),
                         timeout_s=WEIGHT_SYNC_TIMEOUT_S)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def share_weights_with(self, role: str, version: int) -> None:
+        """Serve the weights of training role `role`'s worker in this process (`colocate_actor_rollout`) as weight
+        `version`: the engine's parameters point at its tensors, nothing is copied."""
+        if self.served.share_weights is None:
+            raise ValueError(f"this rollout backend's engine holds its own copy of the weights and cannot share the "
+                             f"{role}'s; set colocate_actor_rollout: false")
+        self.served.share_weights(self.colocated_worker(role).strategy, version)
+
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: DataProto) -> DataProto:
         """The sync probe: log-probs of given responses by the engine's weights (see `ModelUpdatePair.check`), scored
