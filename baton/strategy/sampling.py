@@ -155,7 +155,7 @@ class DecodeBatch:
         self._merge(new, cache, mask[row_input], position_ids[row_input, -1:] + 1, out.logits[row_input, -1, :],
                     version)
 
-    def _merge(self, new: list[Sequence], cache: DynamicCache, mask: torch.Tensor, next_position: torch.Tensor,
+    def _merge(self, new: list, cache: DynamicCache, mask: torch.Tensor, next_position: torch.Tensor,
                logits: torch.Tensor, version: int) -> None:
         self.logits_versions += [version] * len(new)
         if not self.rows:
