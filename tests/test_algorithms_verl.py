@@ -13,7 +13,11 @@ from baton.algorithms import (
     LOSS_AGG_UNITS,
     POLICY_LOSSES,
     AdaptiveKLController,
+    ClipConfig,
+    ClipCovConfig,
+    DualClipConfig,
     EstimatorNeeds,
+    KLCovConfig,
     agg_loss,
     agg_loss_sum,
     cispo_loss,
@@ -35,7 +39,7 @@ from baton.algorithms import (
     masked_whiten,
     num_loss_units,
     opo,
-    policy_loss_params,
+    policy_loss_spec,
     ppo_clip_loss,
     remax,
 )
@@ -139,8 +143,9 @@ def test_adaptive_kl_controller_moves_towards_the_target_with_a_clipped_error():
 
 def test_estimator_needs():
     assert estimator_needs("gae") == EstimatorNeeds(critic=True)
-    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "gdpo", "opo", "gpg"):
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg"):
         assert estimator_needs(name) == EstimatorNeeds(groups=True)
+    assert estimator_needs("gdpo") == EstimatorNeeds(groups=True, reward_components=True)
     assert estimator_needs("remax") == EstimatorNeeds(baseline_rollout=True)
     assert estimator_needs("reinforce_plus_plus") == EstimatorNeeds()
     assert all(isinstance(estimator_needs(n), EstimatorNeeds) for n in ADV_ESTIMATORS)
@@ -231,15 +236,15 @@ def test_policy_loss_registry_has_verl_names():
     assert get_policy_loss("vanilla") is ppo_clip_loss
 
 
-def test_compute_policy_loss_passes_only_the_settings_a_loss_takes():
+def test_compute_policy_loss_calls_a_loss_with_its_config_fields():
     log_probs, old, adv, mask = T([[0.1, -0.5]]), torch.zeros(1, 2), T([[1.0, -1.0]]), torch.ones(1, 2)
-    settings = dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
-    assert policy_loss_params("vanilla") >= set(settings)
-    assert "clip_ratio_c" not in policy_loss_params("gspo") and "clip_cov_ratio" in policy_loss_params("clip_cov")
-    close(compute_policy_loss("cispo", log_probs, old, adv, mask, **settings)[0],
-          cispo_loss(log_probs, old, adv, mask)[0])
-    close(compute_policy_loss("vanilla", log_probs, old, adv, mask, **settings)[0],
-          ppo_clip_loss(log_probs, old, adv, mask)[0])
+    assert policy_loss_spec("vanilla").config is DualClipConfig and policy_loss_spec("gspo").config is ClipConfig
+    assert policy_loss_spec("clip_cov").config is ClipCovConfig and policy_loss_spec("kl_cov").config is KLCovConfig
+    close(compute_policy_loss("cispo", log_probs, old, adv, mask, settings=ClipConfig(0.1, 0.3))[0],
+          cispo_loss(log_probs, old, adv, mask, clip_ratio_low=0.1, clip_ratio_high=0.3)[0])
+    close(compute_policy_loss("vanilla", log_probs, old, adv, mask)[0], ppo_clip_loss(log_probs, old, adv, mask)[0])
+    with pytest.raises(TypeError, match="'gspo' takes settings of type ClipConfig, not DualClipConfig"):
+        compute_policy_loss("gspo", log_probs, old, adv, mask, settings=DualClipConfig())
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
         compute_policy_loss("ppo", log_probs, old, adv, mask)
 

@@ -68,9 +68,12 @@ def test_the_policy_loss_is_chosen_by_name(tmp_path):
         losses[name] = metrics_of(tmp_path / name)[0]["actor/pg_loss"]
     # On-policy the ratio is 1: PPO's loss is -mean(A), GPG's -mean(A log p); the same samples, other values.
     assert losses["vanilla"] != pytest.approx(losses["gpg"], abs=1e-4)
-    with pytest.warns(UserWarning, match=r"'gpg' takes none of \['clip_ratio_high'\]"):
-        RLVRPipeline(tiny_rlvr(tmp_path / "warn", num_steps=1,
-                               algorithm=AlgorithmConfig(policy_loss="gpg", clip_ratio_high=0.28))).shutdown()
+    with pytest.raises(ConfigError, match=r"algorithm.clip_ratio_high=0.28 is set, but algorithm.policy_loss 'gpg' "
+                                          r"does not take it \(it takes no settings\); remove "
+                                          r"algorithm.clip_ratio_high, or use a policy loss that takes it: cispo, "
+                                          r"clip_cov, gspo, vanilla"):
+        RLVRPipeline.dry_run(tiny_rlvr(tmp_path / "refused", num_steps=1,
+                                       algorithm=AlgorithmConfig(policy_loss="gpg", clip_ratio_high=0.28)))
 
 
 def test_the_adaptive_kl_coefficient_moves_and_resumes_exactly(tmp_path):

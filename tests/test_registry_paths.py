@@ -37,7 +37,7 @@ def half_advantages(token_level_rewards, response_mask, index):
 
 
 def marked_loss(log_probs, old_log_probs, advantages, response_mask, loss_agg_mode="token-mean",
-                token_weights=None):
+                loss_scale_factor=None, token_weights=None):
     weights = 1.0 if token_weights is None else token_weights
     return agg_loss(-advantages * log_probs * weights, response_mask, loss_agg_mode), {"user_loss_marker": 3.0}
 

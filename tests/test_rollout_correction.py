@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from baton.algorithms import (
-    POLICY_LOSSES, ROLLOUT_CORRECTIONS, compute_policy_loss, compute_rollout_correction, register_policy_loss,
-    rollout_correction_params,
+    POLICY_LOSSES, ROLLOUT_CORRECTIONS, CapConfig, MaskConfig, NoSettings, compute_policy_loss,
+    compute_rollout_correction, register_policy_loss, rollout_correction_spec,
 )
 from baton.config import ConfigError
 from baton.data import DataProto
@@ -20,7 +20,6 @@ from baton.pipelines.config import AlgorithmConfig
 from baton.rl.losses import PolicyLoss
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.rl import StaleSamplesWarning
-from baton.rl.algorithm import rollout_correction_settings
 from test_pipeline_paths import metrics_of, tiny_rlvr
 
 # Two rows; the second has one padding token, whose values (NaN included) must never matter.
@@ -29,11 +28,12 @@ ROLLOUT = torch.tensor([[-1.0, -1.0, -1.0], [-0.5, 0.2, 5.0]])  # behaviour
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 # exp(old - rollout) per valid token: e, 1, 1/e | 1, exp(-0.7) ≈ 0.497; sequence sums of the log ratio: 0 and -0.7
 E, R = math.e, math.exp(-0.7)
-SETTINGS = {"rollout_is_cap": 2.0, "rollout_mask_low": 0.5, "rollout_mask_high": 2.0}
 
 
-def correction(name: str, **overrides):
-    return compute_rollout_correction(name, OLD, ROLLOUT, MASK, **{**SETTINGS, **overrides})
+def correction(name: str, **settings):
+    """The weights and metrics of correction `name` with `settings` over its config's defaults (a cap of 2.0, bounds
+    0.5 and 2.0)."""
+    return compute_rollout_correction(name, OLD, ROLLOUT, MASK, rollout_correction_spec(name).config(**settings))
 
 
 EXPECTED = {  # name → (weights, metrics as (sum, count))
@@ -89,12 +89,15 @@ def test_caps_and_bounds():
     torch.testing.assert_close(weights, torch.full((1, 2), 2.0))
 
 
-def test_each_mode_takes_only_its_settings():
-    assert rollout_correction_params("token_tis") == {"rollout_is_cap"}
-    assert rollout_correction_params("geo_mask") == {"rollout_mask_low", "rollout_mask_high"}
-    assert rollout_correction_params("none") == frozenset()
+def test_each_mode_declares_its_settings():
+    assert rollout_correction_spec("token_tis").config is CapConfig
+    assert rollout_correction_spec("decoupled").config is CapConfig
+    assert rollout_correction_spec("geo_mask").config is MaskConfig
+    assert rollout_correction_spec("none").config is NoSettings
     with pytest.raises(ValueError, match=r"unknown rollout correction 'tis'; valid: \['decoupled', "):
         correction("tis")
+    with pytest.raises(TypeError, match="'token_tis' takes settings of type CapConfig, not MaskConfig"):
+        compute_rollout_correction("token_tis", OLD, ROLLOUT, MASK, MaskConfig())
 
 
 def policy_inputs(seed: int = 0):
@@ -114,11 +117,11 @@ def test_the_gradient_is_the_weight_times_the_uncorrected_gradient(loss_name, mo
     grads = []
     for weighted in (False, True):
         log_probs, old, advantages = policy_inputs()
-        weights, _ = compute_rollout_correction(mode, old.requires_grad_(True), rollout, MASK, **SETTINGS)
+        weights, _ = compute_rollout_correction(mode, old.requires_grad_(True), rollout, MASK)
         assert not weights.requires_grad
+        torch.manual_seed(0)  # clip_cov draws the tokens it detaches: the same draw both times
         loss, _ = compute_policy_loss(loss_name, log_probs, old, advantages, MASK,
-                                      token_weights=weights if weighted else None, loss_agg_mode=loss_agg_mode,
-                                      generator=torch.Generator().manual_seed(0))
+                                      token_weights=weights if weighted else None, loss_agg_mode=loss_agg_mode)
         loss.backward()
         grads.append(log_probs.grad)
     torch.testing.assert_close(grads[1], weights * grads[0])
@@ -127,7 +130,7 @@ def test_the_gradient_is_the_weight_times_the_uncorrected_gradient(loss_name, mo
 def test_decoupled_ppo_is_vanilla_ppo_against_the_proximal_policy_times_the_behaviour_weight():
     log_probs, old, advantages = policy_inputs(seed=1)
     rollout = torch.nan_to_num(ROLLOUT)
-    weights, _ = compute_rollout_correction("decoupled", old, rollout, MASK, rollout_is_cap=None)
+    weights, _ = compute_rollout_correction("decoupled", old, rollout, MASK, CapConfig(rollout_is_cap=None))
     loss, _ = compute_policy_loss("vanilla", log_probs, old, advantages, MASK, token_weights=weights)
     ratio = (log_probs - old).exp()
     surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
@@ -152,7 +155,7 @@ def test_none_leaves_the_policy_loss_bit_identical():
     outputs, batch = batch_and_outputs()
     plain_loss, plain_metrics = PolicyLoss(entropy_coeff=0.01)(outputs, batch)
     none_loss, none_metrics = PolicyLoss(entropy_coeff=0.01, rollout_correction="none",
-                                         correction_settings=SETTINGS)(outputs, batch)
+                                         correction_settings=NoSettings())(outputs, batch)
     assert torch.equal(plain_loss, none_loss) and plain_metrics == none_metrics
     assert not any(k.startswith("rollout_corr/") for k in none_metrics)
     outputs, batch = batch_and_outputs(with_rollout=False, with_old=False)  # "none" needs neither column
@@ -161,7 +164,7 @@ def test_none_leaves_the_policy_loss_bit_identical():
 
 def test_policy_loss_weighs_its_tokens_and_reports_the_correction_metrics():
     outputs, batch = batch_and_outputs()
-    loss_fn = PolicyLoss(rollout_correction="token_tis", correction_settings=SETTINGS)
+    loss_fn = PolicyLoss(rollout_correction="token_tis", correction_settings=CapConfig(rollout_is_cap=2.0))
     loss, metrics = loss_fn(outputs, batch)
     weights, expected_metrics = correction("token_tis")
     expected, _ = compute_policy_loss("vanilla", outputs["log_probs"], batch.batch["old_log_probs"],
@@ -179,14 +182,15 @@ def test_policy_loss_weighs_its_tokens_and_reports_the_correction_metrics():
 def test_policy_loss_names_a_missing_column(missing):
     outputs, batch = batch_and_outputs(with_rollout=missing != "rollout_log_probs", with_old=missing != "old_log_probs")
     with pytest.raises(ValueError, match=f"rollout_correction 'seq_mask' needs the batch column '{missing}'"):
-        PolicyLoss(rollout_correction="seq_mask", correction_settings=SETTINGS)(outputs, batch)
+        PolicyLoss(rollout_correction="seq_mask", correction_settings=MaskConfig())(outputs, batch)
 
 
 @pytest.fixture
 def unweighted_loss():
     """A policy loss registered for one test that takes no token_weights."""
-    @register_policy_loss("unweighted")
-    def unweighted(log_probs, old_log_probs, advantages, response_mask, loss_agg_mode="token-mean"):
+    @register_policy_loss("unweighted", token_weights=False)
+    def unweighted(log_probs, old_log_probs, advantages, response_mask, loss_agg_mode="token-mean",
+                   loss_scale_factor=None):
         return (-(advantages * log_probs) * response_mask).sum() / response_mask.sum(), {}
 
     yield "unweighted"
@@ -205,11 +209,12 @@ def test_a_loss_without_token_weights_refuses_a_correction(tmp_path, unweighted_
 
 @pytest.mark.parametrize("settings, message", [
     ({"rollout_correction": "tis"}, r"algorithm.rollout_correction 'tis' is not one of \['decoupled', 'geo_mask', "),
-    ({"rollout_is_cap": 0.5}, "rollout_is_cap=0.5 is below 1"),
-    ({"rollout_mask_low": 1.5}, "must satisfy 0 <= low <= 1 <= high"),
-    ({"rollout_mask_high": 0.9}, "must satisfy 0 <= low <= 1 <= high"),
-    ({"rollout_mask_low": 1.0, "rollout_mask_high": 1.0}, "low < high"),
-    ({"rollout_mask_low": -0.1}, "must satisfy 0 <= low"),
+    ({"rollout_correction": "token_tis", "rollout_is_cap": 0.5}, "rollout_is_cap=0.5 is below 1"),
+    ({"rollout_correction": "decoupled", "rollout_is_cap": 0.5}, "rollout_is_cap=0.5 is below 1"),
+    ({"rollout_correction": "token_mask", "rollout_mask_low": 1.5}, "must satisfy 0 <= low <= 1 <= high"),
+    ({"rollout_correction": "seq_mask", "rollout_mask_high": 0.9}, "must satisfy 0 <= low <= 1 <= high"),
+    ({"rollout_correction": "geo_mask", "rollout_mask_low": 1.0, "rollout_mask_high": 1.0}, "low < high"),
+    ({"rollout_correction": {"name": "geo_mask", "rollout_mask_low": -0.1}}, "must satisfy 0 <= low"),
 ])
 def test_the_config_refuses_bad_settings(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
@@ -217,10 +222,15 @@ def test_the_config_refuses_bad_settings(tmp_path, settings, message):
     tiny_rlvr(tmp_path, algorithm=AlgorithmConfig(rollout_correction="decoupled", rollout_is_cap=None)).check()
 
 
-def test_a_setting_the_correction_ignores_is_warned_about():
-    with pytest.warns(UserWarning, match=r"'token_tis' takes none of \['rollout_mask_low'\]"):
-        settings = rollout_correction_settings(AlgorithmConfig(rollout_correction="token_tis", rollout_mask_low=0.2))
-    assert settings == {"rollout_is_cap": 2.0, "rollout_mask_low": 0.2, "rollout_mask_high": 2.0}
+def test_a_setting_the_correction_does_not_take_is_refused_with_the_fix(tmp_path):
+    config = tiny_rlvr(tmp_path, algorithm=AlgorithmConfig(rollout_correction="token_tis", rollout_mask_low=0.2))
+    with pytest.raises(ConfigError, match=r"algorithm.rollout_mask_low=0.2 is set, but algorithm.rollout_correction "
+                                          r"'token_tis' does not take it \(it takes rollout_is_cap\); remove "
+                                          r"algorithm.rollout_mask_low, or use a rollout correction that takes it: "
+                                          r"geo_mask, seq_mask, token_mask"):
+        config.check()
+    assert AlgorithmConfig(rollout_correction="token_tis", rollout_is_cap=3.0).rollout_correction_config() == \
+        CapConfig(rollout_is_cap=3.0)
 
 
 def test_rlvr_with_token_tis_computes_old_log_probs_and_logs_the_weights(tmp_path, recwarn):

@@ -32,6 +32,37 @@ class EstimatorNeeds:
     critic: bool = False  # `values` from a critic model
     groups: bool = False  # `index`, with several samples per prompt (rollout n >= 2) to be useful
     baseline_rollout: bool = False  # `reward_baselines` [batch]: the reward of a greedy rollout per prompt
+    reward_components: bool = False  # `reward_components` [batch, k]: the reward function's fields (gdpo_reward_keys)
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """The advantage estimators' settings, by verl's names (the `algorithm.*` keys of the same names): the discount
+    `gamma` and GAE's `lam` (gae, reinforce_plus_plus), `norm_adv_by_std` (the group estimators divide by the group's
+    std; false is Dr.GRPO), and, for an estimator that takes reward components (gdpo), the reward function's dict
+    fields that are its components (`gdpo_reward_keys`; None: the reward is the one component) and their weights
+    (`gdpo_reward_weights`; None: 1 each)."""
+
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None
+
+    def __post_init__(self):
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must lie in [0, 1]; the usual value is 1.0")
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if weights is not None and keys is None:
+            raise ValueError("gdpo_reward_weights weighs the reward components named by gdpo_reward_keys, which is "
+                             "unset; set it too, or unset the weights")
+        if keys is not None and not keys:
+            raise ValueError("gdpo_reward_keys is empty; list the reward function's fields that are the reward "
+                             "components, or unset it")
+        if keys is not None and weights is not None and len(weights) != len(keys):
+            raise ValueError(f"gdpo_reward_weights has {len(weights)} entries for the {len(keys)} gdpo_reward_keys "
+                             f"{keys}; give one weight per key")
 
 
 ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
@@ -58,11 +89,6 @@ def estimator_needs(name: str) -> EstimatorNeeds:
 
 def get_adv_estimator(name: str) -> AdvantageFn:
     return ADV_ESTIMATORS.get(name)
-
-
-def estimator_params(name: str) -> frozenset[str]:
-    """The inputs estimator `name` takes (its signature's parameter names): what `compute_advantages` passes it."""
-    return frozenset(inspect.signature(get_adv_estimator(name)).parameters)
 
 
 def compute_advantages(estimator: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +326,7 @@ def remax(
     return masked(returns - advantages, response_mask), returns
 
 
-@register_adv_estimator("gdpo", EstimatorNeeds(groups=True))
+@register_adv_estimator("gdpo", EstimatorNeeds(groups=True, reward_components=True))
 @torch.no_grad()
 def gdpo(
     token_level_rewards: torch.Tensor,  # [batch, response_len]

@@ -1,38 +1,71 @@
-"""Policy losses (name → `fn(log_probs, old_log_probs, advantages, response_mask, loss_agg_mode, **params)
--> (loss, metrics)`), the clipped value loss and the entropy term.
+"""Policy losses, each registered with the typed config of its settings, the clipped value loss and the entropy term.
 
-Each returns `agg_loss` of its per-token loss; inside a strategy loss function that wants the
-sum form, multiply by `num_loss_units(response_mask, loss_agg_mode)` (see `aggregation`).
-Metrics are Python floats computed over the valid tokens. Names follow verl's `policy_loss.loss_mode`:
-"vanilla" (PPO clip), "gspo", "cispo", "gpg", "clip_cov", "kl_cov". Every loss
-honours the `loss_agg_mode` it is given, so the strategy's normaliser (`loss_unit(loss_agg_mode)`)
+A policy loss is `fn(log_probs, old_log_probs, advantages, response_mask, *, loss_agg_mode, loss_scale_factor,
+[token_weights], **settings) -> (loss, metrics)`, where `settings` are the fields of the config class it registered
+(`register_policy_loss(name, config=...)`): `compute_policy_loss` calls it with exactly those. Each returns
+`agg_loss` of its per-token loss; inside a strategy loss function that wants the sum form, multiply by
+`num_loss_units(response_mask, loss_agg_mode)` (see `aggregation`). Metrics are Python floats computed over the valid
+tokens. Names follow verl's `policy_loss.loss_mode`: "vanilla" (PPO clip), "gspo", "cispo", "gpg", "clip_cov",
+"kl_cov". Every loss honours the `loss_agg_mode` it is given, so the strategy's normaliser (`loss_unit(loss_agg_mode)`)
 always matches, and `token_weights` [batch, response_len] (no gradient; e.g. `rollout_correction`'s importance
-weights), which multiply its per-token loss before aggregation without changing the normaliser.
+weights), which multiply its per-token loss before aggregation without changing the normaliser; a loss registered
+with `token_weights=False` is never given them.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from baton.algorithms.aggregation import agg_loss
+from baton.algorithms.settings import NoSettings, as_kwargs
 from baton.algorithms.utils import masked, masked_mean
 from baton.config.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
-def register_policy_loss(name: str):
-    """Decorator: make a policy loss available by name."""
-    return POLICY_LOSSES.register(name)
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """A policy loss: its function, the config class of its settings (a frozen dataclass whose fields `fn` takes as
+    keyword arguments), and whether it takes `token_weights` (so a rollout correction can weigh it)."""
+
+    fn: PolicyLossFn
+    config: type = NoSettings
+    token_weights: bool = True
+
+
+POLICY_LOSSES: Registry[PolicyLossSpec | PolicyLossFn] = Registry("policy loss")
+
+
+def register_policy_loss(name: str, config: type = NoSettings, token_weights: bool = True):
+    """Decorator: make a policy loss available by name, with the config class of its settings and whether it takes
+    `token_weights`. A config may then name it, or give its import path: either way `policy_loss_spec` finds what
+    was declared here."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES[name] = PolicyLossSpec(fn, config, token_weights)
+        return fn
+
+    return decorator
+
+
+def policy_loss_spec(name: str) -> PolicyLossSpec:
+    """The spec of policy loss `name`: a registered name, or an import path to a `PolicyLossSpec` (a user's loss with
+    its own config class), to a registered function (its registration's spec) or to a plain function (no settings,
+    takes token_weights)."""
+    obj = POLICY_LOSSES.get(name)
+    if isinstance(obj, PolicyLossSpec):
+        return obj
+    registered = (POLICY_LOSSES.get(n) for n in POLICY_LOSSES)
+    return next((s for s in registered if isinstance(s, PolicyLossSpec) and s.fn is obj), PolicyLossSpec(obj))
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """A registered policy loss, or one given by import path "package.module:function"."""
-    return POLICY_LOSSES.get(name)
+    """A registered policy loss's function, or one given by import path "package.module:function"."""
+    return policy_loss_spec(name).fn
 
 
 def compute_policy_loss(
@@ -42,27 +75,88 @@ def compute_policy_loss(
     advantages: torch.Tensor,  # [batch, response_len]
     response_mask: torch.Tensor,  # [batch, response_len]
     token_weights: torch.Tensor | None = None,  # [batch, response_len], no gradient; None: weight 1
-    **params,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    settings: Any = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Run a registered policy loss with the `params` its signature names (`loss_agg_mode`,
-    `clip_ratio_low`, `clip_cov_ratio`, ...), so a pipeline can pass every configured setting
-    without branching on the loss. Use `policy_loss_params(name)` to warn about settings a loss ignores.
-    `token_weights` multiply the per-token loss; a loss that does not take them refuses them."""
-    fn = get_policy_loss(name)
-    accepted = policy_loss_params(name)
-    kwargs = {k: v for k, v in params.items() if k in accepted}
+    """Run policy loss `name` with `settings`, an instance of its config class (None: that class's defaults), whose
+    fields are its keyword arguments. `token_weights` multiply the per-token loss; a loss registered without them
+    refuses them."""
+    spec = policy_loss_spec(name)
+    settings = spec.config() if settings is None else settings
+    if type(settings) is not spec.config:
+        raise TypeError(f"policy loss {name!r} takes settings of type {spec.config.__name__}, "
+                        f"not {type(settings).__name__}")
+    kwargs = as_kwargs(settings)
     if token_weights is not None:
-        if "token_weights" not in accepted:
+        if not spec.token_weights:
             raise ValueError(f"policy loss {name!r} takes no token_weights, so it cannot apply a rollout correction; "
-                             "add a `token_weights` parameter that multiplies its per-token loss")
+                             "add a `token_weights` parameter that multiplies its per-token loss and register it with "
+                             "token_weights=True")
         kwargs["token_weights"] = token_weights
-    return fn(log_probs, old_log_probs, advantages, response_mask, **kwargs)
+    return spec.fn(log_probs, old_log_probs, advantages, response_mask, loss_agg_mode=loss_agg_mode,
+                   loss_scale_factor=loss_scale_factor, **kwargs)
 
 
-def policy_loss_params(name: str) -> frozenset[str]:
-    """The settings a policy loss takes besides its four tensors."""
-    params = inspect.signature(get_policy_loss(name)).parameters
-    return frozenset(list(params)[4:])
+# ---- the built-in losses' settings (verl's names) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """PPO's ratio clip range [1 - clip_ratio_low, 1 + clip_ratio_high] (gspo, cispo); a larger high than low is
+    DAPO's clip-higher."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+
+    def __post_init__(self):
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(f"clip_ratio_low={self.clip_ratio_low} and clip_ratio_high={self.clip_ratio_high} must "
+                             "be >= 0; the usual values are 0.2 and 0.2 (0.28 for DAPO's clip-higher)")
+
+
+@dataclass(frozen=True)
+class DualClipConfig(ClipConfig):
+    """PPO's clip range and the dual clip's bound `clip_ratio_c` on negative advantages ("vanilla")."""
+
+    clip_ratio_c: float = 3.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO (got {self.clip_ratio_c}); the usual "
+                             "value is 3.0")
+
+
+@dataclass(frozen=True)
+class ClipCovConfig(ClipConfig):
+    """Clip-Cov's clip range, and the share `clip_cov_ratio` of tokens detached among those whose covariance lies in
+    (clip_cov_lb, clip_cov_ub)."""
+
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.clip_cov_ratio <= 0:
+            raise ValueError(f"clip_cov_ratio must be > 0 (got {self.clip_cov_ratio}); the usual value is 2e-4")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}; the usual "
+                             "values are 1.0 and 5.0")
+
+
+@dataclass(frozen=True)
+class KLCovConfig:
+    """KL-Cov's share `kl_cov_ratio` of tokens penalised (those of largest covariance) and the penalty's coefficient
+    `ppo_kl_coef`."""
+
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 1.0
+
+    def __post_init__(self):
+        if self.kl_cov_ratio <= 0:
+            raise ValueError(f"kl_cov_ratio must be > 0 (got {self.kl_cov_ratio}); the usual value is 2e-4")
 
 
 def _masked_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -83,7 +177,7 @@ def _clipped_surrogate(advantages: torch.Tensor, ratio: torch.Tensor, clip_ratio
     return -advantages * ratio, -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", DualClipConfig)
 def ppo_clip_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
     old_log_probs: torch.Tensor,  # [batch, response_len], policy that sampled the data
@@ -124,7 +218,7 @@ def ppo_clip_loss(
     return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", ClipConfig)
 def gspo_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
     old_log_probs: torch.Tensor,  # [batch, response_len]
@@ -139,8 +233,9 @@ def gspo_loss(
     """GSPO (arXiv 2507.18071): PPO's clipped surrogate on the sequence-level ratio
     s = exp(mean over the valid tokens of (log_probs - old_log_probs)). Per token the ratio is
     sg(s)·π/sg(π), so its value is s and its gradient flows through each token's log-prob; the log
-    ratio is capped at 10 and there is no dual clip, as in verl. The defaults are the paper's clip
-    ranges (verl takes them from the actor's clip_ratio settings).
+    ratio is capped at 10 and there is no dual clip, as in verl. This function's defaults are the paper's
+    clip ranges; a configured run takes `ClipConfig`'s 0.2 and 0.2 unless set (verl takes them from the actor's
+    clip_ratio settings, whose defaults those are; `examples/gspo.yaml` sets the paper's).
 
     Differs from verl: verl always aggregates with "seq-mean-token-mean" whatever `loss_agg_mode`
     says; here the given mode is used so that it matches the strategy's normaliser. Configure
@@ -162,7 +257,7 @@ def gspo_loss(
     return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", ClipConfig)
 def cispo_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
     old_log_probs: torch.Tensor,  # [batch, response_len]
@@ -213,7 +308,7 @@ def _token_covariance(advantages: torch.Tensor, log_probs: torch.Tensor, respons
     return (advantages - masked_mean(advantages, response_mask)) * (log_probs - masked_mean(log_probs, response_mask))
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", ClipCovConfig)
 def clip_cov_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
     old_log_probs: torch.Tensor,  # [batch, response_len]
@@ -258,7 +353,7 @@ def clip_cov_loss(
     return agg_loss(_weighted(pg_losses, token_weights), response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", KLCovConfig)
 def kl_cov_loss(
     log_probs: torch.Tensor,  # [batch, response_len], current policy, carries the gradient
     old_log_probs: torch.Tensor,  # [batch, response_len]

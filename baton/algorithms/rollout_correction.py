@@ -1,9 +1,10 @@
 """Off-policy corrections for samples drawn by an older (or numerically different) rollout policy: per-token loss
 weights from the proximal log-probs (the actor's, recomputed before the update) and the behaviour log-probs (the
-rollout engine's). Name → `fn(old_log_probs, rollout_log_probs, response_mask, **params) -> (weights, metrics)`.
+rollout engine's). Name → `fn(old_log_probs, rollout_log_probs, response_mask, **settings) -> (weights, metrics)`.
 
 `weights` [batch, response_len] carry no gradient and are 0 off the mask; a policy loss multiplies its per-token loss
-by them before aggregation (`compute_policy_loss(..., token_weights=weights)`). Truncation ("token_tis", "seq_tis")
+by them before aggregation (`compute_policy_loss(..., token_weights=weights)`). Each correction registers the config
+class of its settings (`CapConfig`, `MaskConfig`), whose fields it is called with. Truncation ("token_tis", "seq_tis")
 caps a weight at `rollout_is_cap`; rejection ("token_mask", "seq_mask", "geo_mask") gives weight 0 to the tokens or
 sequences whose ratio lies outside [rollout_mask_low, rollout_mask_high] and 1 to the rest; "decoupled" is AReaL's
 decoupled PPO behaviour weight. A rejected token keeps its place in the loss's normaliser (its loss is 0): the
@@ -18,33 +19,56 @@ range is `rollout/is_ratio/min` and `max` (the RLVR pipeline's `logprob_gap`).
 
 from __future__ import annotations
 
-import inspect
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from baton.algorithms.aggregation import count_loss_units
+from baton.algorithms.settings import NoSettings, as_kwargs
 from baton.algorithms.utils import masked, masked_mean, masked_sum
 from baton.config.registry import Registry
 
 RolloutCorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, tuple[float, float]]]]
-ROLLOUT_CORRECTIONS: Registry[RolloutCorrectionFn] = Registry("rollout correction")
 _MAX_LOG_RATIO = 20.0  # exp(±20) stays finite in float32
 
 
-def register_rollout_correction(name: str):
-    """Decorator: make a rollout correction available by name."""
-    return ROLLOUT_CORRECTIONS.register(name)
+@dataclass(frozen=True)
+class RolloutCorrectionSpec:
+    """A rollout correction: its function and the config class of its settings (a frozen dataclass whose fields `fn`
+    takes as keyword arguments)."""
+
+    fn: RolloutCorrectionFn
+    config: type = NoSettings
+
+
+ROLLOUT_CORRECTIONS: Registry[RolloutCorrectionSpec | RolloutCorrectionFn] = Registry("rollout correction")
+
+
+def register_rollout_correction(name: str, config: type = NoSettings):
+    """Decorator: make a rollout correction available by name, with the config class of its settings."""
+
+    def decorator(fn: RolloutCorrectionFn) -> RolloutCorrectionFn:
+        ROLLOUT_CORRECTIONS[name] = RolloutCorrectionSpec(fn, config)
+        return fn
+
+    return decorator
+
+
+def rollout_correction_spec(name: str) -> RolloutCorrectionSpec:
+    """The spec of correction `name`: a registered name, or an import path to a `RolloutCorrectionSpec`, to a
+    registered function (its registration's spec) or to a plain function (no settings)."""
+    obj = ROLLOUT_CORRECTIONS.get(name)
+    if isinstance(obj, RolloutCorrectionSpec):
+        return obj
+    registered = (ROLLOUT_CORRECTIONS.get(n) for n in ROLLOUT_CORRECTIONS)
+    return next((s for s in registered if isinstance(s, RolloutCorrectionSpec) and s.fn is obj),
+                RolloutCorrectionSpec(obj))
 
 
 def get_rollout_correction(name: str) -> RolloutCorrectionFn:
-    """A registered rollout correction, or one given by import path "package.module:function"."""
-    return ROLLOUT_CORRECTIONS.get(name)
-
-
-def rollout_correction_params(name: str) -> frozenset[str]:
-    """The settings a rollout correction takes besides its three tensors."""
-    return frozenset(list(inspect.signature(get_rollout_correction(name)).parameters)[3:])
+    """A registered rollout correction's function, or one given by import path "package.module:function"."""
+    return rollout_correction_spec(name).fn
 
 
 def compute_rollout_correction(
@@ -52,16 +76,50 @@ def compute_rollout_correction(
     old_log_probs: torch.Tensor,  # [batch, response_len], proximal policy: the actor's before the update
     rollout_log_probs: torch.Tensor,  # [batch, response_len], behaviour policy: the rollout engine's
     response_mask: torch.Tensor,  # [batch, response_len]
-    **params,
+    settings: Any = None,
 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
-    """Run a registered correction with the `params` its signature names (`rollout_is_cap`, `rollout_mask_low`,
-    `rollout_mask_high`), so a caller can pass every configured setting; the weights are detached."""
-    fn = get_rollout_correction(name)
-    accepted = rollout_correction_params(name)
+    """Run correction `name` with `settings`, an instance of its config class (None: that class's defaults), whose
+    fields are its keyword arguments; the weights are detached."""
+    spec = rollout_correction_spec(name)
+    settings = spec.config() if settings is None else settings
+    if type(settings) is not spec.config:
+        raise TypeError(f"rollout correction {name!r} takes settings of type {spec.config.__name__}, "
+                        f"not {type(settings).__name__}")
     with torch.no_grad():
-        weights, metrics = fn(old_log_probs.detach(), rollout_log_probs.detach(), response_mask,
-                              **{k: v for k, v in params.items() if k in accepted})
+        weights, metrics = spec.fn(old_log_probs.detach(), rollout_log_probs.detach(), response_mask,
+                                   **as_kwargs(settings))
     return weights.detach(), metrics
+
+
+# ---- the built-in corrections' settings (baton's names) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CapConfig:
+    """The weight cap `rollout_is_cap` of truncation (token_tis, seq_tis) or of AReaL's drop (decoupled); None: no
+    cap."""
+
+    rollout_is_cap: float | None = 2.0
+
+    def __post_init__(self):
+        if self.rollout_is_cap is not None and self.rollout_is_cap < 1.0:
+            raise ValueError(f"rollout_is_cap={self.rollout_is_cap} is below 1, so even on-policy tokens (weight 1) "
+                             "would be capped or dropped; use 2.0 (verl) to 10.0, or null for no cap")
+
+
+@dataclass(frozen=True)
+class MaskConfig:
+    """Rejection's bounds: a ratio outside [rollout_mask_low, rollout_mask_high] gets weight 0 (token_mask, seq_mask,
+    geo_mask)."""
+
+    rollout_mask_low: float = 0.5
+    rollout_mask_high: float = 2.0
+
+    def __post_init__(self):
+        low, high = self.rollout_mask_low, self.rollout_mask_high
+        if not 0.0 <= low <= 1.0 <= high or low == high:
+            raise ValueError(f"rollout_mask_low={low} and rollout_mask_high={high} must satisfy 0 <= low <= 1 <= "
+                             "high, low < high, so that on-policy samples (ratio 1) are kept; e.g. 0.5 and 2.0")
 
 
 def _token_log_ratio(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
@@ -106,7 +164,7 @@ def no_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, 
     return response_mask.bool().to(old_log_probs.dtype), {}
 
 
-@register_rollout_correction("token_tis")
+@register_rollout_correction("token_tis", CapConfig)
 def token_tis(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
               rollout_is_cap: float | None = 2.0) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """Truncated importance sampling per token (verl rollout_is "token"): w_t = min(exp(old_t - rollout_t), cap);
@@ -117,7 +175,7 @@ def token_tis(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, resp
     return weights, _token_metrics(weights, ratio != weights, response_mask, "clipped_frac")
 
 
-@register_rollout_correction("seq_tis")
+@register_rollout_correction("seq_tis", CapConfig)
 def seq_tis(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
             rollout_is_cap: float | None = 2.0) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """Truncated importance sampling per sequence (verl rollout_is "sequence"): one weight per sequence,
@@ -134,7 +192,7 @@ def _outside(ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return (ratio < low) | (ratio > high)
 
 
-@register_rollout_correction("token_mask")
+@register_rollout_correction("token_mask", MaskConfig)
 def token_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                rollout_mask_low: float = 0.5, rollout_mask_high: float = 2.0
                ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
@@ -155,7 +213,7 @@ def _seq_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, resp
     return _per_token(seq_weights, response_mask), _seq_metrics(seq_weights, rejected, response_mask, "masked_frac")
 
 
-@register_rollout_correction("seq_mask")
+@register_rollout_correction("seq_mask", MaskConfig)
 def seq_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
              rollout_mask_low: float = 0.5, rollout_mask_high: float = 2.0
              ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
@@ -165,7 +223,7 @@ def seq_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, respo
                      geometric=False)
 
 
-@register_rollout_correction("geo_mask")
+@register_rollout_correction("geo_mask", MaskConfig)
 def geo_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
              rollout_mask_low: float = 0.5, rollout_mask_high: float = 2.0
              ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
@@ -176,7 +234,7 @@ def geo_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, respo
                      geometric=True)
 
 
-@register_rollout_correction("decoupled")
+@register_rollout_correction("decoupled", CapConfig)
 def decoupled(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
               rollout_is_cap: float | None = None) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """Decoupled PPO's behaviour weight (AReaL, arXiv 2505.24298): w_t = exp(old_t - rollout_t), the proximal over the

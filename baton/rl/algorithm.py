@@ -9,7 +9,6 @@ rollout correction) works in every one of them.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,8 +21,6 @@ from baton.algorithms import (
     compute_advantages,
     estimator_needs,
     loss_unit,
-    policy_loss_params,
-    rollout_correction_params,
 )
 from baton.data import DataProto
 from baton.rewards import REWARD_EXTRA_PREFIX, RewardError
@@ -61,10 +58,11 @@ class RLAlgorithm:
     def __init__(self, config: AlgorithmConfig, reward_fn: Any = "exact_match", *, stale: bool = False):
         self.config, self.reward_fn = config, reward_fn
         self.needs = estimator_needs(config.adv_estimator)  # the estimator's registration says what it needs
-        self.policy_loss = PolicyLoss(config.policy_loss, policy_loss_settings(config), config.loss_agg_mode,
+        config.advantage_config()  # its settings are refused here, not at the first step, when the check was skipped
+        self.policy_loss = PolicyLoss(config.policy_loss_name, config.policy_loss_config(), config.loss_agg_mode,
                                       config.loss_scale_factor, config.entropy_coeff,
                                       config.kl_loss_coef if config.use_kl_loss else 0.0, config.kl_loss_estimator,
-                                      config.rollout_correction, rollout_correction_settings(config))
+                                      config.rollout_correction_name, config.rollout_correction_config())
         self.value_loss = ValueLoss(config.cliprange_value, config.loss_agg_mode, config.loss_scale_factor)
         self.kl_ctrl = (AdaptiveKLController(config.kl_reward_coef, config.kl_ctrl.target_kl, config.kl_ctrl.horizon)
                         if config.use_kl_in_reward and config.kl_ctrl.type == "adaptive" else None)
@@ -73,7 +71,7 @@ class RLAlgorithm:
         # Several epochs or mini-batches move the weights between updates, the KL reward penalty needs the
         # log-probs before the update, and stale samples measure how far the rollout's older weights are from the
         # actor's (rollout/logprob_diff); a rollout correction weighs the loss by them.
-        self.corrected = config.rollout_correction != "none"
+        self.corrected = config.rollout_correction_name != "none"
         self.needs_old_log_probs = (config.num_ppo_epochs > 1 or config.num_mini_batches_per_step > 1
                                     or config.use_kl_in_reward or stale or self.corrected)
 
@@ -165,7 +163,7 @@ def advantage_columns(batch: DataProto, algo: AlgorithmConfig, reward_fn, kl_coe
                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """`token_level_rewards` (the scores, less the KL penalty with use_kl_in_reward at `kl_coef`), `advantages` and
     `returns` [rows, response_len] of a rewarded batch by `algo.adv_estimator`, and the KL penalty's metrics."""
-    data, metrics = batch.batch, {}
+    data, metrics, settings = batch.batch, {}, algo.advantage_config()
     rewards = data["token_level_scores"]
     if algo.use_kl_in_reward:
         rewards, metrics = apply_kl_penalty(rewards, data["old_log_probs"], data["ref_log_probs"], data["response_mask"],
@@ -173,8 +171,9 @@ def advantage_columns(batch: DataProto, algo: AlgorithmConfig, reward_fn, kl_coe
     advantages, returns = compute_advantages(
         algo.adv_estimator, token_level_rewards=rewards, response_mask=data["response_mask"],
         index=batch.non_tensor_batch["uid"], values=data.get("values"), reward_baselines=data.get("reward_baselines"),
-        reward_components=reward_components(data, algo.gdpo_reward_keys, reward_fn),
-        reward_weights=algo.gdpo_reward_weights, gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std,
+        reward_components=reward_components(data, settings.gdpo_reward_keys, reward_fn),
+        reward_weights=settings.gdpo_reward_weights, gamma=settings.gamma, lam=settings.lam,
+        norm_adv_by_std=settings.norm_adv_by_std,
     )
     return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, metrics
 
@@ -220,28 +219,3 @@ def reward_components(data: dict[str, torch.Tensor], keys: list[str] | None, rew
             f"does not return; the fields it returned beside 'score': {returned}. A reward function returns reward "
             "components as a dict, e.g. {'score': 1.0, 'format': 1.0, 'correct': 1.0}")
     return torch.stack([data[REWARD_EXTRA_PREFIX + key] for key in keys], dim=-1)
-
-
-def policy_loss_settings(algo: AlgorithmConfig) -> dict:
-    """The algorithm's policy-loss settings; a setting changed from its default that the chosen loss does not take
-    is ignored with a warning."""
-    names = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-             "kl_cov_ratio", "ppo_kl_coef")
-    return _taken_settings(algo, names, policy_loss_params(algo.policy_loss), f"algorithm.policy_loss {algo.policy_loss!r}")
-
-
-def rollout_correction_settings(algo: AlgorithmConfig) -> dict:
-    """The algorithm's rollout-correction settings; one changed from its default that the chosen correction does
-    not take is ignored with a warning."""
-    names = ("rollout_is_cap", "rollout_mask_low", "rollout_mask_high")
-    return _taken_settings(algo, names, rollout_correction_params(algo.rollout_correction),
-                           f"algorithm.rollout_correction {algo.rollout_correction!r}")
-
-
-def _taken_settings(algo: AlgorithmConfig, names: tuple[str, ...], taken, what: str) -> dict:
-    settings = {name: getattr(algo, name) for name in names}
-    defaults = AlgorithmConfig()
-    ignored = [n for n in names if n not in taken and settings[n] != getattr(defaults, n)]
-    if ignored:
-        warnings.warn(f"{what} takes none of {ignored}; they are ignored", stacklevel=4)
-    return settings

@@ -7,7 +7,8 @@ split of a batch over micro-batches and workers reports the value of the whole b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,20 +36,21 @@ def token_metric(mean: float, mask: torch.Tensor) -> tuple[float, float]:
 @dataclass(frozen=True)
 class PolicyLoss:
     """A policy loss by name (baton.algorithms.POLICY_LOSSES: vanilla PPO clip, gspo, cispo, gpg, clip_cov,
-    kl_cov), + optional entropy bonus and KL-to-reference loss, in sum form. `settings` go to the loss that
-    takes them (`policy_loss_params`). A `rollout_correction` other than "none" (baton.algorithms.ROLLOUT_CORRECTIONS)
-    weighs the policy loss's tokens by the rollout log-probs against the old ones, with the `correction_settings`
-    it takes (`rollout_correction_params`); the batch must then hold `old_log_probs` and `rollout_log_probs`."""
+    kl_cov), + optional entropy bonus and KL-to-reference loss, in sum form. `settings`: an instance of the loss's
+    config class (`AlgorithmConfig.policy_loss_config()`; None: its defaults). A `rollout_correction` other than
+    "none" (baton.algorithms.ROLLOUT_CORRECTIONS) weighs the policy loss's tokens by the rollout log-probs against the
+    old ones, with `correction_settings`, an instance of its config class (None: its defaults); the batch must then
+    hold `old_log_probs` and `rollout_log_probs`."""
 
     policy_loss: str = "vanilla"
-    settings: dict = field(default_factory=dict)
+    settings: Any = None
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0  # 0: no KL loss term
     kl_loss_estimator: str = "k3"
     rollout_correction: str = "none"
-    correction_settings: dict = field(default_factory=dict)
+    correction_settings: Any = None
 
     @property
     def entropy_grad(self) -> bool:
@@ -68,10 +70,10 @@ class PolicyLoss:
         if self.rollout_correction != "none":  # "none" needs neither column and leaves the loss as it is
             token_weights, correction_metrics = compute_rollout_correction(
                 self.rollout_correction, self._column(batch, "old_log_probs"), self._column(batch, "rollout_log_probs"),
-                mask, **self.correction_settings)
+                mask, self.correction_settings)
         loss, metrics = compute_policy_loss(self.policy_loss, outputs["log_probs"], old_log_probs,
                                             batch.batch["advantages"], mask, token_weights=token_weights,
-                                            **self.settings, **agg)
+                                            settings=self.settings, **agg)
         # The policy losses' own metrics are means over the valid tokens; the correction's are (sum, count) already.
         out = {"actor/pg_loss": unit_metric(loss, mask, self.loss_agg_mode),
                **{f"actor/{k}": token_metric(float(v), mask) for k, v in metrics.items()}, **correction_metrics}
