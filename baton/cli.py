@@ -10,18 +10,33 @@ import json
 import os
 import sys
 
-DEFAULT_PIPELINE = "baton.pipelines.demo:DemoPipeline"
+DEFAULT_PIPELINE = "baton.recipes.demo:DemoPipeline"
+
+# The demo pipelines' import paths before they moved to baton.recipes, as (module, name): written "module:name",
+# each would be a plug-in path naming nothing.
+MOVED_PIPELINES = {
+    ("baton.pipelines.demo", "DemoPipeline"): "baton.recipes.demo:DemoPipeline",
+    ("baton.pipelines.distill_demo", "DistillDemoPipeline"): "baton.recipes.distill:DistillDemoPipeline",
+    ("baton.pipelines.dpo_demo", "DPODemoPipeline"): "baton.recipes.dpo:DPODemoPipeline",
+    ("baton.pipelines.rollout_rlvr", "RolloutDemoPipeline"): "baton.recipes.rollout_demo:RolloutDemoPipeline",
+    ("baton.pipelines.dag", "DAGDemoPipeline"): "baton.recipes.dag_demo:DAGDemoPipeline",
+    ("baton.pipelines.agentic", "AgenticDemoPipeline"): "baton.recipes.agentic:AgenticDemoPipeline",
+}
 
 
 def resolve(config_path: str | None, overrides: list[str]):
     """(pipeline class, typed config) from an optional YAML file and `key.sub=value` overrides."""
-    from baton.config import add_config_dir, import_object, load_config, load_yaml
+    from baton.config import ConfigError, add_config_dir, import_object, load_config, load_yaml
 
     data = load_yaml(config_path) if config_path else {}
     if config_path:
         add_config_dir(config_path)  # before pipeline_cls is imported: it may live beside the config
     pipeline_override = [o.split("=", 1)[1] for o in overrides if o.startswith("pipeline_cls=")]
-    pipeline_cls = import_object(pipeline_override[-1] if pipeline_override else data.get("pipeline_cls", DEFAULT_PIPELINE))
+    path = pipeline_override[-1] if pipeline_override else data.get("pipeline_cls", DEFAULT_PIPELINE)
+    module, _, name = path.partition(":")
+    if (module, name) in MOVED_PIPELINES:
+        raise ConfigError(f"pipeline_cls {path!r} has moved; write pipeline_cls: {MOVED_PIPELINES[module, name]}")
+    pipeline_cls = import_object(path)
     return pipeline_cls, load_config(pipeline_cls.config_cls, config_path, overrides)
 
 

@@ -78,10 +78,11 @@ from common import finish, local_ray, parser as common_parser
 from baton.distributed.worker import pin_to_cores
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import SamplingConfig
-from baton.pipelines.demo import DemoConfig, _from_checkpoint
-from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline, _demo_rlvr_default
+from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
 from baton.pipelines.run_dir import checkpoint_path, list_checkpoints
 from baton.pipelines.sft import SFTPipeline
+from baton.recipes.demo import DemoConfig, from_checkpoint
+from baton.recipes.rollout_demo import rlvr_default
 from baton.rollout.config import RolloutSystemConfig
 
 MODES = ("sync", "one_step_off", "async")
@@ -131,12 +132,12 @@ def sft_checkpoint(run_dir: str, fresh: bool, num_steps: int) -> str:
 def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int,
                 seed: int, trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True) -> RolloutRLVRConfig:
     """The demo's GRPO stage on the rollout system in `mode`, from `checkpoint`, with the bench's batch and update."""
-    base = _demo_rlvr_default()
+    base = rlvr_default()
     trainer = dataclasses.replace(
         base.trainer, num_steps=num_steps, num_prompts_per_step=num_prompts_per_step, val_every_steps=num_steps,
         val_before_train=mode == "sync", save_every_steps=num_steps, keep_last_checkpoints=1, seed=seed,
         run_dir=run_dir, overwrite=True, backend="ray", num_cpus=NUM_RAY_CPUS, progress_bar=False)
-    actor, rollout = _from_checkpoint(base.actor, checkpoint), _from_checkpoint(base.rollout, checkpoint)
+    actor, rollout = from_checkpoint(base.actor, checkpoint), from_checkpoint(base.rollout, checkpoint)
     actor = dataclasses.replace(actor, device_mapping=[0], num_threads_per_worker=1,
                                 cpu_cores=TRAINER_CORES if pin else None, strategy=dataclasses.replace(
         actor.strategy, seed=seed, micro_batch_size_per_worker=MICRO_BATCH_SIZE, trim_padding=trim_padding,

@@ -292,7 +292,7 @@ def test_the_example_takes_run_dir_and_seed_and_compares_like_with_like():
 
 
 def test_the_demo_trains_a_teacher_distils_it_and_runs_sft_alone_and_a_resume_reruns_nothing(tmp_path):
-    from baton.pipelines.distill_demo import DistillDemoPipeline
+    from baton.recipes.distill import DistillDemoPipeline
 
     example = os.path.join(EXAMPLES, "distill.yaml")
     settings = [f"run_dir={tmp_path / 'demo'}", "data.max_operand=9", "data.num_val_examples=8",

@@ -332,7 +332,7 @@ def test_the_example_chains_sft_then_dpo_takes_run_dir_and_fits_a_two_core_machi
 
 
 def test_the_demo_runs_sft_then_dpo_from_its_checkpoint_and_a_resume_skips_the_finished_sft(tmp_path, small_pairs):
-    from baton.pipelines.dpo_demo import DPODemoPipeline
+    from baton.recipes.dpo import DPODemoPipeline
 
     example = os.path.join(EXAMPLES, "dpo.yaml")
     settings = [f"run_dir={tmp_path / 'demo'}", "data.max_operand=9", "data.num_val_examples=8",

@@ -124,7 +124,7 @@ def test_more_devices_than_the_cluster_has_fail_before_any_worker_starts(tmp_pat
 
 
 def test_the_demo_checks_both_stages_before_running_the_first(tmp_path):
-    from baton.pipelines.demo import DemoPipeline
+    from baton.recipes.demo import DemoPipeline
 
     _, config = resolve(None, [f"run_dir={tmp_path}", "rlvr.reward_fn=exact"])
     with pytest.raises(ConfigError, match="unknown reward 'exact'"):
@@ -229,7 +229,7 @@ def test_every_example_config_loads_and_passes_its_checks(name):
 
 
 def test_a_resumed_demo_skips_its_finished_sft_stage_and_continues_rlvr(tmp_path):
-    from baton.pipelines.demo import DemoPipeline
+    from baton.recipes.demo import DemoPipeline
 
     settings = [f"run_dir={tmp_path}", "data.max_operand=9", "data.num_val_examples=8"]
     for stage in ("sft", "rlvr"):

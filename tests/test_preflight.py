@@ -87,11 +87,25 @@ def test_baton_config_is_a_dry_run_that_reports_what_run_would_refuse(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     ok = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert ok.returncode == 0, ok.stderr
-    assert "pipeline_cls: baton.pipelines.demo:DemoPipeline" in ok.stdout and "checks passed" in ok.stderr
+    assert "pipeline_cls: baton.recipes.demo:DemoPipeline" in ok.stdout and "checks passed" in ok.stderr
     refused = subprocess.run(base + ["rlvr.actor.world_size=2", "rlvr.actor.strategy.name=fsdp2"],
                              capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert refused.returncode == 2
     assert refused.stderr.startswith("baton: error: rlvr stage: the roles need 3 CPU(s)"), refused.stderr
+
+
+@pytest.mark.parametrize("old, new", [
+    ("baton.pipelines.demo:DemoPipeline", "baton.recipes.demo:DemoPipeline"),
+    ("baton.pipelines.rollout_rlvr:RolloutDemoPipeline", "baton.recipes.rollout_demo:RolloutDemoPipeline"),
+])
+def test_a_config_naming_a_demo_pipeline_by_its_old_path_gets_its_new_one(tmp_path, capsys, old, new):
+    config = tmp_path / "old.yaml"
+    config.write_text(f"pipeline_cls: {old}\n")
+    assert main(["config", str(config)]) == 2
+    assert capsys.readouterr().err == f"baton: error: pipeline_cls {old!r} has moved; write pipeline_cls: {new}\n"
+    assert main(["config", f"pipeline_cls={old}"]) == 2
+    assert capsys.readouterr().err == f"baton: error: pipeline_cls {old!r} has moved; write pipeline_cls: {new}\n"
+    assert main(["config", f"pipeline_cls={new}", f"run_dir={tmp_path / 'run'}"]) == 0
 
 
 def test_a_failed_run_prints_one_line_with_the_next_step_and_logs_the_traceback(tmp_path, capsys):

@@ -13,9 +13,9 @@ from baton.cli import main, resolve
 from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
-from baton.pipelines.demo import DemoPipeline
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.run_dir import list_checkpoints
+from baton.recipes.demo import DemoPipeline
 from baton.strategy import StrategyConfig
 
 MOCK = ["actor.strategy.name=mock", "rollout.strategy.name=mock", "data.max_operand=9", "data.num_val_examples=8",

@@ -21,7 +21,7 @@ from baton.datasets.arithmetic import arithmetic_splits, drop_carry
 
 SHIPPED_PAIRS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "arith_prefs.jsonl")
 NUM_PAIRS_PER_PROBLEM = 2
-# The demo's task (`baton.pipelines.demo._demo_data`): its held-out split is fixed by these.
+# The demo's task (`baton.recipes.demo._demo_data`): its held-out split is fixed by these.
 DEMO_TASK = {"max_operand": 30, "num_val": 200, "seed": 0}
 
 

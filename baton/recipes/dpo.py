@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from baton.pipelines.config import RoleConfig, SFTConfig, TrainerConfig
-from baton.pipelines.demo import _VAL_SAMPLING, TwoStageConfig, TwoStagePipeline, _sft_default
 from baton.pipelines.dpo import DPOConfig, PreferenceConfig
+from baton.recipes.demo import VAL_SAMPLING, TwoStageConfig, TwoStagePipeline, sft_default
 from baton.strategy import OptimizerConfig, StrategyConfig
 
 
@@ -22,7 +22,7 @@ def _dpo_default() -> DPOConfig:
         actor=RoleConfig(strategy=StrategyConfig(optimizer=OptimizerConfig(lr=1e-4))),
         algorithm=PreferenceConfig(loss_type="sigmoid", beta=1.0),  # see examples/dpo.yaml for the betas tried
         data=None,
-        val_sampling=dataclasses.replace(_VAL_SAMPLING),
+        val_sampling=dataclasses.replace(VAL_SAMPLING),
         trainer=TrainerConfig(num_steps=200, num_prompts_per_step=64, val_every_steps=25, save_every_steps=100,
                               run_dir="runs/dpo"),
     )
@@ -35,9 +35,9 @@ class DPODemoConfig(TwoStageConfig):
 
     SECOND: ClassVar[str] = "dpo"
 
-    pipeline_cls: str = "baton.pipelines.dpo_demo:DPODemoPipeline"
+    pipeline_cls: str = "baton.recipes.dpo:DPODemoPipeline"
     run_dir: str = "runs/dpo"
-    sft: SFTConfig = field(default_factory=_sft_default)
+    sft: SFTConfig = field(default_factory=sft_default)
     dpo: DPOConfig = field(default_factory=_dpo_default)
 
 

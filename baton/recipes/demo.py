@@ -29,7 +29,7 @@ from baton.tracking import plot_run
 
 
 # Greedy held-out accuracy, at the sampling length of the RLVR stage, so that SFT's last figure is RLVR's first.
-_VAL_SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=6, num_samples_per_prompt=1)
+VAL_SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=6, num_samples_per_prompt=1)
 
 
 def _demo_data() -> DataConfig:
@@ -37,14 +37,14 @@ def _demo_data() -> DataConfig:
     return DataConfig(task="arithmetic", max_operand=30, num_val_examples=200, teacher_error=0.8)
 
 
-def _sft_default() -> SFTConfig:
+def sft_default() -> SFTConfig:
     # Long enough to reach the plateau of imitating the teacher on every seed tried; warm-up and cosine decay
     # keep the end steady. (At lr 3e-3 the loss sat at its first plateau for 450 to over 1,500 steps by seed.)
     schedule = SchedulerConfig(name="cosine", warmup_steps=50, min_lr_ratio=0.1)  # over the whole stage
     return SFTConfig(
         actor=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-3), scheduler=schedule)),
         data=None,
-        val_sampling=dataclasses.replace(_VAL_SAMPLING),
+        val_sampling=dataclasses.replace(VAL_SAMPLING),
         trainer=TrainerConfig(num_steps=1500, num_prompts_per_step=64, val_every_steps=250, save_every_steps=1500),
     )
 
@@ -55,7 +55,7 @@ def _rlvr_default() -> RLVRConfig:
         rollout=RoleConfig(strategy=StrategyConfig()),
         colocate_actor_rollout=True,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, num_samples_per_prompt=8),
-        val_sampling=dataclasses.replace(_VAL_SAMPLING),
+        val_sampling=dataclasses.replace(VAL_SAMPLING),
         algorithm=AlgorithmConfig(adv_estimator="grpo"),
         data=None,
         trainer=TrainerConfig(num_steps=200, num_prompts_per_step=64, val_every_steps=25, save_every_steps=100),
@@ -88,7 +88,7 @@ class TwoStageConfig:
 
     SECOND: ClassVar[str] = "rlvr"
 
-    pipeline_cls: str = "baton.pipelines.demo:DemoPipeline"
+    pipeline_cls: str = "baton.recipes.demo:DemoPipeline"
     run_dir: str = "runs/demo"
     seed: int | None = 0
     resume: str | None = None
@@ -150,7 +150,7 @@ class DemoConfig(TwoStageConfig):
     """SFT then RLVR (see `TwoStageConfig`); the RLVR stage's actor, rollout, reference and critic start from the SFT
     stage's final checkpoint."""
 
-    sft: SFTConfig = field(default_factory=_sft_default)
+    sft: SFTConfig = field(default_factory=sft_default)
     rlvr: RLVRConfig = field(default_factory=_rlvr_default)
 
 
@@ -203,7 +203,7 @@ class TwoStagePipeline:
         checkpoint = os.path.abspath(os.path.join(list_checkpoints(sft_cfg.trainer.run_dir)[-1], "actor"))
         second_cfg = cfg.stage(second)
         second_cfg = dataclasses.replace(second_cfg, **{
-            name: _from_checkpoint(getattr(second_cfg, name), checkpoint)
+            name: from_checkpoint(getattr(second_cfg, name), checkpoint)
             for name in STAGE_ROLES if hasattr(second_cfg, name)})
         second_summary = run_pipeline(import_object(self.second_pipeline_cls), second_cfg)
         summary = {
@@ -223,7 +223,7 @@ class DemoPipeline(TwoStagePipeline):
     config_cls = DemoConfig
 
 
-def _from_checkpoint(role: RoleConfig | None, checkpoint: str) -> RoleConfig | None:
+def from_checkpoint(role: RoleConfig | None, checkpoint: str) -> RoleConfig | None:
     if role is None:
         return None
     return dataclasses.replace(role, strategy=dataclasses.replace(role.strategy, model=checkpoint))

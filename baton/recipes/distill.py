@@ -17,8 +17,8 @@ from typing import ClassVar
 from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
-from baton.pipelines.demo import _VAL_SAMPLING, TwoStageConfig, TwoStagePipeline, _from_checkpoint
 from baton.pipelines.distill import DistillConfig, DistillSettings
+from baton.recipes.demo import VAL_SAMPLING, TwoStageConfig, TwoStagePipeline, from_checkpoint
 from baton.strategy import OptimizerConfig, SchedulerConfig, StrategyConfig
 from baton.tracking import plot_run
 from baton.tracking.tracker import read_metrics
@@ -47,7 +47,7 @@ def _teacher_default() -> SFTConfig:
         actor=RoleConfig(strategy=StrategyConfig(model=dict(TEACHER_MODEL), optimizer=OptimizerConfig(lr=1e-3),
                                                  scheduler=schedule)),
         data=_exact_data(),
-        val_sampling=dataclasses.replace(_VAL_SAMPLING),
+        val_sampling=dataclasses.replace(VAL_SAMPLING),
         trainer=TrainerConfig(num_steps=1000, num_prompts_per_step=64, val_every_steps=100, save_every_steps=1000),
     )
 
@@ -69,14 +69,14 @@ def _distill_default() -> DistillConfig:
         algorithm=DistillSettings(loss_type="forward_kl", top_k=16, mode="on_policy"),
         data=None,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, num_samples_per_prompt=1),
-        val_sampling=dataclasses.replace(_VAL_SAMPLING),
+        val_sampling=dataclasses.replace(VAL_SAMPLING),
         trainer=_student_trainer(),
     )
 
 
 def _sft_alone_default() -> SFTConfig:
     return SFTConfig(actor=RoleConfig(strategy=_student_strategy()), data=None,
-                     val_sampling=dataclasses.replace(_VAL_SAMPLING), trainer=_student_trainer())
+                     val_sampling=dataclasses.replace(VAL_SAMPLING), trainer=_student_trainer())
 
 
 @dataclass
@@ -94,7 +94,7 @@ class DistillDemoConfig(TwoStageConfig):
 
     SECOND: ClassVar[str] = "distill"
 
-    pipeline_cls: str = "baton.pipelines.distill_demo:DistillDemoPipeline"
+    pipeline_cls: str = "baton.recipes.distill:DistillDemoPipeline"
     run_dir: str = "runs/distill"
     data: DataConfig = field(default_factory=_weak_labeler_data)
     teacher: SFTConfig = field(default_factory=_teacher_default)
@@ -147,8 +147,8 @@ class DistillDemoPipeline(TwoStagePipeline):
         return run_pipeline(pipeline_cls, stage_config)
 
     def run(self) -> dict:
-        from baton.pipelines.run_dir import list_checkpoints
         from baton.pipelines.distill import DistillPipeline
+        from baton.pipelines.run_dir import list_checkpoints
         from baton.pipelines.sft import SFTPipeline
 
         cfg = self.config
@@ -156,7 +156,7 @@ class DistillDemoPipeline(TwoStagePipeline):
         summaries = {"teacher": self._run_stage("teacher", SFTPipeline, teacher_cfg)}
         checkpoint = os.path.abspath(os.path.join(list_checkpoints(teacher_cfg.trainer.run_dir)[-1], "actor"))
         distill_cfg = cfg.stage("distill")
-        distill_cfg = dataclasses.replace(distill_cfg, teacher=_from_checkpoint(distill_cfg.teacher, checkpoint))
+        distill_cfg = dataclasses.replace(distill_cfg, teacher=from_checkpoint(distill_cfg.teacher, checkpoint))
         summaries["distill"] = self._run_stage("distill", DistillPipeline, distill_cfg)
         summaries["sft_alone"] = self._run_stage("sft_alone", SFTPipeline, cfg.stage("sft_alone"))
         teacher_accuracy = summaries["distill"]["teacher_val_accuracy"]
