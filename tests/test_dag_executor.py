@@ -12,7 +12,8 @@ import torch
 from baton import Cluster
 from baton.dag import DAGExecutionError, NodeOutput, NodeStatus, SingleControllerExecutor, Workflow, node_function
 from baton.dag.compute import ComputeWorker
-from baton.dag.executor import compute_slots
+from baton.dag.executor import WorkflowContext, compute_slots
+from baton.dag.turns import DeviceTurns
 from baton.data import DataProto
 from baton.distributed import DataProtoFuture, JoinedData, WorkerConfig, WorkerSpec
 from baton.distributed.future import RenamedData
@@ -168,3 +169,52 @@ def test_a_controller_node_that_returns_the_wrong_type_is_named(make_manager):
     executor = SingleControllerExecutor(graph, context=None, compute=[], parallel=False)
     with pytest.raises(DAGExecutionError, match="returned dict; a custom node's function returns a baton.dag.NodeOutput"):
         executor.run_step(1)
+
+
+@node_function(roles=["rollout"])
+def weight_sync(ctx, batch):
+    """A controller node on the actor's role that computes on the rollout too (as the shipped weight sync)."""
+    return busy(ctx, batch)
+
+
+RAN: dict[str, tuple[float, float]] = {}  # node id -> when its function started and ended
+
+
+def busy(ctx, batch):
+    """Runs for `sleep_s` (of its node's config), noting when in RAN."""
+    start = time.monotonic()
+    time.sleep(ctx.config.get("sleep_s", 0.0))
+    RAN[ctx.node.node_id] = (start, time.monotonic())
+    return NodeOutput()
+
+
+def test_nodes_of_roles_taking_turns_on_shared_devices_never_run_beside_another_turns():
+    """Two branches run at the same time on threads: the rollout's node waits for the actor's turn (actor and
+    reference, whose nodes run together) to end, or the other way round; the reward, which takes no turns, runs beside
+    either; each hold hands the devices over once, the weight sync holding actor and rollout alone."""
+    handed: list[tuple[str, ...]] = []
+    turns = DeviceTurns([["rollout"], ["actor", "reference"]], lambda *roles: handed.append(roles))
+    context = WorkflowContext({}, None, None, None, None, turns=turns)
+    slow = {"sleep_s": 0.5}
+    graph = (Workflow("turns").add_node("data", "data_load", executable=load)
+             .add_node("generate", "model_inference", role="rollout", dependencies=["data"], executable=busy,
+                       config=slow)
+             .add_node("log_probs", "model_inference", role="actor", dependencies=["data"], executable=busy,
+                       config=slow)
+             .add_node("ref_log_probs", "model_inference", role="reference", dependencies=["data"], executable=busy,
+                       config=slow)
+             .add_node("score", "model_inference", role="reward", dependencies=["data"], executable=busy, config=slow)
+             .add_node("sync", "custom", role="actor", dependencies=["generate", "log_probs", "ref_log_probs", "score"],
+                       executable=weight_sync).build())
+    RAN.clear()
+    SingleControllerExecutor(graph, context, compute=[], parallel=True).run_step(1)
+
+    def beside(a: str, b: str) -> bool:
+        return RAN[a][0] < RAN[b][1] and RAN[b][0] < RAN[a][1]
+
+    assert not beside("generate", "log_probs") and not beside("generate", "ref_log_probs")
+    assert beside("log_probs", "ref_log_probs")  # one turn: together
+    assert beside("score", "generate") or beside("score", "log_probs")
+    first, second = (("rollout",), ("actor", "reference")) if RAN["generate"][0] < RAN["log_probs"][0] else \
+        (("actor", "reference"), ("rollout",))
+    assert handed == [first, second, ("rollout", "actor")]

@@ -1,5 +1,5 @@
-"""Roles on the same devices take turns in the RLVR loop (trainer.offload_idle_roles): which are offloaded and
-reloaded, in which order, and that it changes no result.
+"""Roles on the same devices take turns in the RLVR loop and its workflow (trainer.offload_idle_roles): which are
+offloaded and reloaded, in which order, and that it changes no result.
 
 On CPU offloading frees nothing, so these tests watch the calls: the workers below record every strategy call
 into `CALLS` (the local backend runs them in this process), and the mock strategy refuses to compute, sync or
@@ -20,6 +20,7 @@ from baton.pipelines import dpo as dpo_module, policy
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import (AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, SFTConfig,
                                     TrainerConfig)
+from baton.pipelines.dag import DAGConfig, DAGPipeline, DAGSettings
 from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSettings
 from baton.pipelines.dpo import DPOConfig, DPOPipeline, PairDataConfig
 from baton.pipelines.rlvr import RLVRPipeline
@@ -91,7 +92,8 @@ def calls():
     CALLS.clear()
 
 
-def grpo(run_dir, offload, strategy="mock", colocate=False, rollout_devices=None, num_steps=3, **trainer) -> RLVRConfig:
+def grpo(run_dir, offload, strategy="mock", colocate=False, rollout_devices=None, num_steps=3, config_cls=RLVRConfig,
+         **trainer) -> RLVRConfig:
     """GRPO with a KL loss (so a reference role), every model role on device 0 unless `rollout_devices` says."""
     def role(name, devices=None):
         return RoleConfig(device_mapping=devices, worker_cls=f"{__name__}:Recording{name.title()}",
@@ -99,7 +101,7 @@ def grpo(run_dir, offload, strategy="mock", colocate=False, rollout_devices=None
 
     settings = dict(backend="local", run_dir=str(run_dir), num_prompts_per_step=2, num_steps=num_steps,
                     val_every_steps=100, save_every_steps=100, progress_bar=False, offload_idle_roles=offload)
-    return RLVRConfig(actor=role("actor"), rollout=role("rollout", rollout_devices), reference=role("reference"),
+    return config_cls(actor=role("actor"), rollout=role("rollout", rollout_devices), reference=role("reference"),
                       colocate_actor_rollout=colocate, algorithm=AlgorithmConfig(use_kl_loss=True),
                       data=DataConfig(max_operand=9, num_val_examples=4),
                       sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
@@ -195,6 +197,38 @@ def test_a_colocated_actor_and_rollout_stay_and_the_reference_takes_turns_with_t
     assert list(pipeline.time_sharing.resident) == ["reference"]
     assert {role for role, method in calls if method in ("offload", "reload")} == {"reference"}
     assert [m for role, m in calls if role == "reference"] == ["offload"] + ["reload", "forward", "offload"] * 2
+
+
+def test_the_workflow_hands_each_nodes_roles_their_devices_as_the_loop_hands_each_phase(tmp_path, calls):
+    """The workflow's nodes (single controller): none computes on an offloaded role, the rollout never generates
+    beside the actor or reference, nor the actor trains beside the rollout; the actor and reference (one turn) are not
+    offloaded between their nodes, so a step offloads each role once, as the loop's; the metrics are the loop's."""
+    run_pipeline(RLVRPipeline, grpo(tmp_path / "loop", True))
+    loop = list(calls)
+    calls.clear()
+    run_pipeline(DAGPipeline, grpo(tmp_path / "dag", True, config_cls=DAGConfig))
+    replay(calls, {("rollout", "generate"): ["actor", "reference"], ("reference", "forward"): ["rollout"],
+                   ("actor", "train_step"): ["rollout"]})
+    offloaded = [role for role, method in calls if method == "offload"]
+    assert len(offloaded) == len([role for role, method in loop if method == "offload"])
+    assert set(offloaded) == {"actor", "rollout", "reference"}
+    ours, theirs = metrics(tmp_path / "loop"), metrics(tmp_path / "dag")
+    assert {step: {key: row[key] for key in ours[step]} for step, row in theirs.items()} == ours
+
+
+def test_the_multi_controller_offloads_no_role_and_says_so(tmp_path):
+    """Every role of a rank lives in its DAG worker's process, which walks the step itself: nothing is handed over
+    (the workflow refused the setting before)."""
+    config = grpo(tmp_path, True, strategy="hf", colocate=True, num_steps=1, config_cls=DAGConfig)
+    config.dag = DAGSettings(executor="multi_controller")
+    for role in (config.actor, config.rollout, config.reference):
+        role.worker_cls = None  # the DAG worker shares the actor's parameters with the rollout, unwrapped
+    with pytest.warns(UserWarning, match="offload_idle_roles=true is ignored under dag.executor multi_controller"):
+        pipeline = DAGPipeline(config)
+    try:
+        assert pipeline.time_sharing.resident == {} and pipeline.run()["num_steps"] == 1
+    finally:
+        pipeline.shutdown()
 
 
 def test_roles_that_share_no_device_with_the_other_turn_are_not_offloaded(tmp_path, calls):

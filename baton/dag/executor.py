@@ -6,6 +6,8 @@ cluster call without waiting for data (`Cluster.call_async`) and is COMPLETED wh
 driver learns from the row counts alone. COMPUTE nodes run on a `ComputeWorker`. Independent branches run at
 the same time (each ready node in a thread of its own) on the Ray backend; on the local backend, where every
 worker shares the driver's process, nodes run one at a time in topological order, so a step is deterministic.
+Where roles take turns on shared devices (`WorkflowContext.turns`), a node runs once its roles hold their devices,
+and never beside a node of another turn.
 
 A node that raises is FAILED, every node downstream of it SKIPPED, the branches already running finish, and
 the step raises `DAGExecutionError` naming the node, the rank and the traceback.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from baton.dag.graph import Node, NodeStatus, NodeType, TaskGraph, WorkflowError
+from baton.dag.turns import DeviceTurns
 from baton.data import DataProto
 from baton.distributed import CallFuture, DataProtoFuture, JoinedData, WorkerError
 from baton.distributed.backend import Source
@@ -62,6 +65,8 @@ class WorkflowContext:
     sync_weights: the actor's weights into the rollout; every `sync_every_steps` steps.
     reward_model_weight: the weight of the reward model's score in the reward (`reward_model_settings.weight`).
     timer: `timer(name)` times a phase into `timing_s/<name>`.
+    turns: the roles that take turns on shared devices (`trainer.offload_idle_roles`), given their devices before
+        each node computes on them; None where no role takes turns.
     """
 
     roles: dict[str, Any]
@@ -73,6 +78,11 @@ class WorkflowContext:
     baseline_sampling: SamplingParams | None = None
     reward_model_weight: float = 1.0
     timer: Callable[[str], Any] = _untimed
+    turns: DeviceTurns | None = None
+
+    def on_devices(self, node: Node):
+        """Held while `node` runs: its roles on their devices (see `DeviceTurns.hold`)."""
+        return self.turns.hold(node.roles()) if self.turns is not None else contextlib.nullcontext()
 
     def compute_settings(self) -> dict[str, Any]:
         """What every COMPUTE node's config gets this step besides its own: `rl`, the algorithm as it is now (its
@@ -210,22 +220,24 @@ class SingleControllerExecutor:
         node.set_status(NodeStatus.RUNNING)
         with self._lock:
             self.events.append((node_id, "start", time.monotonic()))
+        holding = self.context.on_devices(node) if self.context is not None else contextlib.nullcontext()
         try:
-            inputs = JoinedData.of(*(outputs[d][0] for d in node.dependencies))
-            if node.node_type == NodeType.COMPUTE:
-                result = self._compute(node, inputs)
-            elif node.node_type in (NodeType.BARRIER_SYNC, NodeType.PUT_TO_BUFFER, NodeType.GET_FROM_BUFFER):
-                # The driver holds every output by reference: its dependencies having completed is the barrier,
-                # and the data passes through as it is.
-                result = NodeOutput()
-            else:
-                result = node.resolve()(NodeContext(node, step, self.context), inputs)
-                if result is None:
+            with holding:
+                inputs = JoinedData.of(*(outputs[d][0] for d in node.dependencies))
+                if node.node_type == NodeType.COMPUTE:
+                    result = self._compute(node, inputs)
+                elif node.node_type in (NodeType.BARRIER_SYNC, NodeType.PUT_TO_BUFFER, NodeType.GET_FROM_BUFFER):
+                    # The driver holds every output by reference: its dependencies having completed is the barrier,
+                    # and the data passes through as it is.
                     result = NodeOutput()
-                if not isinstance(result, NodeOutput):
-                    raise TypeError(f"{node.executable} returned {type(result).__name__}; a {node.node_type} node's "
-                                    "function returns a baton.dag.NodeOutput (or None)")
-            settle(result.data, self.node_timeout_s)
+                else:
+                    result = node.resolve()(NodeContext(node, step, self.context), inputs)
+                    if result is None:
+                        result = NodeOutput()
+                    if not isinstance(result, NodeOutput):
+                        raise TypeError(f"{node.executable} returned {type(result).__name__}; a {node.node_type} "
+                                        "node's function returns a baton.dag.NodeOutput (or None)")
+                settle(result.data, self.node_timeout_s)  # the roles keep their devices until their calls are done
             data = result.data if node.output_mode != "add" else JoinedData.of(inputs, result.data)
             return data, {k: float(v) for k, v in result.metrics.items()}
         except Exception as error:  # the node's failure, reported with its traceback; the others carry on

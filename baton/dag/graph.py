@@ -72,9 +72,12 @@ Columns = Sequence[str] | Callable[[dict], Sequence[str]]
 OUTPUT_MODES = ("add", "replace", "filter", "meta")
 
 
-def node_function(*, reads: Columns = (), writes: Columns = (), output: str = "add") -> Callable[[Callable], Callable]:
+def node_function(*, reads: Columns = (), writes: Columns = (), output: str = "add",
+                  roles: Sequence[str] = ()) -> Callable[[Callable], Callable]:
     """Declares the columns a node executable reads and writes (a list, or a function of the node's config that
-    returns one), so a node that names it needs no `reads`/`writes` of its own, and what its output is:
+    returns one), so a node that names it needs no `reads`/`writes` of its own; the roles it computes on besides
+    its node's `node_role` (`roles`, e.g. the weight sync's rollout: roles that take turns on shared devices are
+    given their devices before the node runs); and what its output is:
 
     "add": the columns it writes, added to its input's for the nodes downstream (same rows);
     "replace": the whole batch downstream, with only the columns it writes (e.g. generation: n rows per prompt);
@@ -85,7 +88,7 @@ def node_function(*, reads: Columns = (), writes: Columns = (), output: str = "a
         raise ValueError(f"node_function(output={output!r}): use one of {', '.join(OUTPUT_MODES)}")
 
     def mark(fn: Callable) -> Callable:
-        fn.dag_reads, fn.dag_writes, fn.dag_output = reads, writes, output
+        fn.dag_reads, fn.dag_writes, fn.dag_output, fn.dag_roles = reads, writes, output, tuple(roles)
         return fn
 
     return mark
@@ -172,6 +175,12 @@ class Node:
                                     "the node's config does not set; add it under config:") from None
 
         return (pick(self.reads, getattr(fn, "dag_reads", None)), pick(self.writes, getattr(fn, "dag_writes", None)))
+
+    def roles(self) -> list[str]:
+        """The model roles the node computes on: its `node_role` where that is a model's, and the roles its
+        executable declares (`node_function(roles=...)`)."""
+        own = [str(self.node_role)] if self.node_role in MODEL_ROLES else []
+        return list(dict.fromkeys([*own, *getattr(self.resolve(), "dag_roles", ())]))
 
     @property
     def output_mode(self) -> str:

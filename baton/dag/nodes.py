@@ -41,7 +41,7 @@ def generate(ctx: NodeContext, batch) -> NodeOutput:
     return NodeOutput(ctx.role("rollout").call_async("generate", batch, ctx.workflow.sampling))
 
 
-@node_function(reads=["input_ids", "attention_mask", "uid"], output="meta")
+@node_function(reads=["input_ids", "attention_mask", "uid"], output="meta", roles=["reward"])
 def greedy_baseline(ctx: NodeContext, batch) -> NodeOutput:
     """ReMax: one greedy response per prompt (`ctx.workflow.baseline_sampling`), scored by the reward role; its
     reward (token-level scores summed, as verl) per prompt goes downstream as `meta_info["reward_baselines_by_uid"]`
@@ -88,7 +88,8 @@ def critic_values(ctx: NodeContext, batch) -> NodeOutput:
     return NodeOutput(critic.call_async("compute_values", batch))
 
 
-@node_function(reads=["response_mask", "input_ids", "attention_mask", "responses"], writes=["rm_scores"])
+@node_function(reads=["response_mask", "input_ids", "attention_mask", "responses"], writes=["rm_scores"],
+               roles=["reward_model"])
 def reward_model_scores(ctx: NodeContext, batch) -> NodeOutput:
     """The reward model's score of every response (`rm_scores`; a judge's metrics in its meta_info)."""
     return NodeOutput(ctx.role("reward_model").call_async("score", batch))
@@ -139,7 +140,7 @@ def train_actor(ctx: NodeContext, batch) -> NodeOutput:
         return NodeOutput(metrics=ctx.algorithm.update_actor(ctx.role("actor"), batch))
 
 
-@node_function()
+@node_function(roles=["actor", "rollout"])
 def sync_weights(ctx: NodeContext, batch) -> NodeOutput:
     """The actor's weights to the rollout, every `trainer.sync_every_steps` steps."""
     if ctx.step % ctx.workflow.sync_every_steps == 0:

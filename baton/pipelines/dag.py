@@ -9,8 +9,8 @@ give the same metrics; a workflow can add, remove and branch nodes.
 
 from __future__ import annotations
 
-import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +21,17 @@ from baton.dag.executor import SingleControllerExecutor, WorkflowContext
 from baton.dag.graph import TaskGraph, Workflow, WorkflowError
 from baton.dag.loader import load_workflow
 from baton.dag.multi import DAGWorker, MultiControllerExecutor
+from baton.dag.turns import DeviceTurns
 from baton.pipelines.config import RLVRConfig, WorkerSettings
-from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.rlvr import RLVRPipeline
 
 NODES = "baton.dag.nodes"
 EXECUTORS = ("single_controller", "multi_controller")
+MULTI_CONTROLLER_KEEPS_ROLES = (
+    "trainer.offload_idle_roles=true is ignored under dag.executor multi_controller: every role of a rank lives in "
+    "its DAG worker's process, which walks the whole step itself, so the driver hands no devices between roles (the "
+    "actor and rollout share tensors there, as colocated in the loop; the reference and critic stay on the devices). "
+    "Use dag.executor single_controller for roles that take turns")
 
 
 @dataclass
@@ -68,6 +73,8 @@ class DAGConfig(RLVRConfig):
                               "set colocate_actor_rollout: true")
         if self.dag.num_compute_workers < 1:
             raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
+        if self.dag.executor == "multi_controller" and self.trainer.offload_idle_roles is True:
+            warnings.warn(MULTI_CONTROLLER_KEEPS_ROLES, stacklevel=2)
         try:
             self.graph()  # every workflow error before any worker starts
         except (WorkflowError, FileNotFoundError) as error:
@@ -157,11 +164,13 @@ class DAGPipeline(RLVRPipeline):
             return {"policy": ["actor", "rollout", *(r for r in roles if r not in ("actor", "rollout", "dag")), "dag"]}
         return super().fused_roles(config, roles)
 
+    def share_devices(self, turns, never_offloaded=()) -> None:
+        """As the loop's, but under the multi-controller no role takes turns (`MULTI_CONTROLLER_KEEPS_ROLES`)."""
+        if self.config.dag.executor != "multi_controller":
+            super().share_devices(turns, never_offloaded)
+
     def __init__(self, config: DAGConfig):
         super().__init__(config)
-        if self.time_sharing.resident:
-            raise ConfigError("trainer.offload_idle_roles: roles taking turns on shared devices are not scheduled by "
-                              "the workflow executor yet; set trainer.offload_idle_roles: false, or run RLVRPipeline")
         self._check_needs()
         if config.dag.executor == "multi_controller":
             self.executor = MultiControllerExecutor(self.graph, self.clusters["dag"], self.sampler,
@@ -173,7 +182,8 @@ class DAGPipeline(RLVRPipeline):
             context = WorkflowContext(
                 roles, self.algorithm, config.sampling.params(), self.next_prompts, lambda: self.update_pairs[0].sync(),
                 sync_every_steps=config.trainer.sync_every_steps, baseline_sampling=self.baseline_sampling,
-                reward_model_weight=config.reward_model_settings.weight, timer=self.timer)
+                reward_model_weight=config.reward_model_settings.weight, timer=self.timer,
+                turns=DeviceTurns(self.time_sharing.turns, self.on_device) if self.time_sharing.resident else None)
             self.executor = SingleControllerExecutor(self.graph, context, compute,
                                                      parallel=self.manager.backend != "local",
                                                      node_timeout_s=config.dag.node_timeout_s)
@@ -215,23 +225,3 @@ class DAGPipeline(RLVRPipeline):
 
 _WRITER = {"old_log_probs": "old_log_probs", "ref_log_probs": "ref_log_probs", "values": "critic_values",
            "rm_scores": "reward_model_scores"}
-
-
-def _demo_dag_default() -> DAGConfig:
-    """The demo's GRPO stage as a workflow. Its reward worker takes half a CPU instead of one, so that with the
-    compute workers beside it the demo still fits a 2-core machine's local Ray (a CPU for the policy's slot)."""
-    demo = demo_rlvr_as(DAGConfig)
-    return dataclasses.replace(demo, reward=dataclasses.replace(demo.reward, num_cpus_per_worker=0.5))
-
-
-@dataclass
-class DAGDemoConfig(DemoConfig):
-    """The demo (SFT, then GRPO from its checkpoint) with the GRPO stage run as a workflow graph (`rlvr.workflow`)."""
-
-    pipeline_cls: str = "baton.pipelines.dag:DAGDemoPipeline"
-    rlvr: DAGConfig = field(default_factory=_demo_dag_default)
-
-
-class DAGDemoPipeline(DemoPipeline):
-    config_cls = DAGDemoConfig
-    second_pipeline_cls = "baton.pipelines.dag:DAGPipeline"

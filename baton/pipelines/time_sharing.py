@@ -13,7 +13,9 @@ from baton.distributed import Cluster, ResourceManager
 
 class TimeSharing:
     """The clusters of a pipeline (`clusters`, filled as they are built) that take turns on their devices (`share`),
-    and which of them hold their devices now (`resident`). `timer(name)` times a stage (the pipeline's timer)."""
+    which of them hold their devices now (`resident`), and the turns (`turns`: the roles of each turn that share a
+    device with a role of another, whether or not they are offloaded themselves; turns without one left out).
+    `timer(name)` times a stage (the pipeline's timer)."""
 
     def __init__(self, clusters: dict[str, Cluster], manager: ResourceManager,
                  timer: Callable[[str], AbstractContextManager]):
@@ -22,6 +24,7 @@ class TimeSharing:
         self.timer = timer
         self.resident: dict[str, bool] = {}  # role that takes turns on its devices -> whether it holds them now
         self.role_devices: dict[str, set[int]] = {}  # every cluster's devices, while roles take turns
+        self.turns: list[list[str]] = []  # the roles of each turn that share a device with another turn's
 
     def share(self, setting: bool | str, turns: Sequence[Sequence[str]], never_offloaded: Sequence[str] = ()) -> list[str]:
         """By `setting` (`trainer.offload_idle_roles`; "auto" is on where the devices are GPUs), make the roles of
@@ -33,6 +36,8 @@ class TimeSharing:
         roles = time_sharing_roles(devices, turns, never_offloaded)
         self.resident = dict.fromkeys(roles, True)  # built on their devices
         self.role_devices = devices
+        sharing = time_sharing_roles(devices, turns)
+        self.turns = [members for turn in turns if (members := [name for name in turn if name in sharing])]
         return roles
 
     def on_device(self, *roles: str) -> None:
