@@ -1,7 +1,7 @@
 """One RL algorithm, three drivers: the loop (`RLVRPipeline`), the rollout system in sync mode
 (`RolloutRLVRPipeline`) and the workflow graph (`DAGPipeline`) train alike on the local backend, step for step, with
-the same validation metric set; the features one of them used to refuse (reward models, adaptive KL, ReMax) run in
-all three; the multi-controller's colocated weight sync shares tensors."""
+the same validation metric set; the features one of them used to refuse (reward models, adaptive KL, ReMax,
+colocation) run in all three; colocated weight syncs share tensors (the multi-controller's, the rollout system's)."""
 
 from __future__ import annotations
 
@@ -106,6 +106,32 @@ def test_the_multi_controller_colocated_sync_shares_the_actors_tensors(tmp_path)
         actor = worker.colocated_worker("actor").strategy.hf_model
         for (name, ours), (_, theirs) in zip(actor.named_parameters(), rollout.hf_model.named_parameters()):
             assert ours.data_ptr() == theirs.data_ptr(), name
+    finally:
+        pipeline.shutdown()
+
+
+def test_colocated_actor_and_rollout_train_alike_in_all_three(tmp_path):
+    """colocate_actor_rollout, which the rollout system used to refuse: its engines live in the actor's processes."""
+    assert_same_training(run_all(tmp_path, colocate_actor_rollout=True))
+
+
+def test_the_rollout_systems_colocated_engines_share_the_actors_tensors(tmp_path):
+    """Each colocated engine serves its actor rank's own parameters: after training steps moved them, a sync copied
+    nothing into the engine, and the engine's parameters are the actor's storage."""
+    config = RolloutRLVRConfig(**settings(tmp_path, colocate_actor_rollout=True))
+    config.trainer.num_steps = 2
+    pipeline = RolloutRLVRPipeline(config)
+    try:
+        workers = pipeline.clusters["rollout"]._group.hosts[0]._workers  # local backend: in this process
+        engine = workers["rollout"]
+        loads = []
+        engine.import_weights = lambda buckets, version=None: loads.append(version)
+        pipeline.run()
+        assert loads == [] and pipeline.pool.version == 2  # two syncs, nothing copied
+        actor = workers["actor"].strategy.hf_model
+        served = dict(engine.served.engine.model.named_parameters())
+        for name, ours in actor.named_parameters():
+            assert served[name].data_ptr() == ours.data_ptr(), name
     finally:
         pipeline.shutdown()
 

@@ -6,6 +6,7 @@ rollouts resumed over two weight versions, and eval per dataset."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import threading
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from baton.checkpoint import PIPELINE_STATE, load_state
+from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
@@ -200,19 +202,54 @@ def test_an_abort_does_not_wait_on_a_slow_reward(tmp_path):
     assert record["rollout/num_groups"] == 4 and record["rollout/num_aborted_groups"] == 4
 
 
+@pytest.mark.ray
+def test_colocated_engines_on_ray_live_in_the_actors_processes(tmp_path, ray_cluster):
+    """colocate_actor_rollout: one engine in each actor rank's process (two here), each a router engine of its own;
+    an `fsdp2` actor's shards and an `hf` engine share no tensors, so each sync copies the gathered weights."""
+    import ray
+
+    config = tiny(tmp_path, num_steps=2, engines=None)
+    config.colocate_actor_rollout = True
+    config.actor = RoleConfig(strategy=StrategyConfig(name="fsdp2", model="tiny-qwen2"), world_size=2)
+    config.trainer = dataclasses.replace(config.trainer, backend="ray", num_nodes=1)
+    pipeline = RolloutRLVRPipeline(config)
+    try:
+        hosts = pipeline.clusters["actor"]._group.hosts
+        assert pipeline.clusters["rollout"]._group is pipeline.clusters["actor"]._group  # one process per rank
+        assert len(pipeline.pool.engines) == 2 and len({ray.get(h.pid.remote()) for h in hosts}) == 2
+        pipeline.run()
+    finally:
+        pipeline.shutdown()
+    by_step = steps(tmp_path)
+    assert sorted(by_step) == [1, 2]
+    assert by_step[2]["router/engine_0/served"] > 0 and by_step[2]["router/engine_1/served"] > 0
+
+
+@pytest.mark.parametrize("system, message", [
+    (dict(mode="async"), "the engines generate with the actor's own tensors, .*use mode: sync"),
+    (dict(mode="one_step_off"), "cannot generate while it trains"),
+    (dict(load_rollouts="runs/x/{rollout_id}.jsonl"), "trains on saved rollouts without engines"),
+])
+def test_colocation_refuses_what_it_cannot_do_before_anything_starts(tmp_path, system, message):
+    config = tiny(tmp_path, engines=None, **system)
+    config.colocate_actor_rollout = True
+    with pytest.raises(ConfigError, match=message):
+        config.check()
+
+
 def test_a_partial_sample_resumes_over_two_weight_versions(tmp_path):
     config = tiny(tmp_path, num_steps=1, engines=1, partial_rollout=True, mask_stale_partial_tokens=True)
     pipeline = RolloutRLVRPipeline(config)
     try:
-        manager = pipeline.rollouts
-        [group] = manager.data_source.get_samples(1)
-        ctx = manager.context()
+        producer = pipeline.producer
+        [group] = producer.data_source.get_samples(1)
+        ctx = producer.context()
         long = SamplingParams(temperature=1.0, max_new_tokens=12, n=1, stop_token_ids=())
         first = ctx.run(generate_sample(ctx, group[0], SamplingParams(temperature=1.0, max_new_tokens=5, n=1,
                                                                       stop_token_ids=())))
         first.status = Status.ABORTED  # as an abort after 5 tokens leaves it
         assert first.weight_versions == [0] * 5
-        manager.update_weights(pipeline.actor, version=1)
+        pipeline.publisher.publish(pipeline.actor, version=1)
         sample = ctx.run(generate_sample(ctx, first, long))
         assert sample.status == Status.TRUNCATED and sample.response_length == 12
         assert sample.weight_versions == [0] * 5 + [1] * 7  # the prefix keeps its version
@@ -311,7 +348,7 @@ def test_a_filter_that_drops_nearly_everything_stops_at_the_started_groups_limit
 def test_the_weight_sync_probe_checks_the_first_and_every_nth_sync(tmp_path):
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1, probe_every_syncs=2))
     try:  # the sync at start-up was the first (probed); then 1, 2, 3
-        probed = ["weight_sync/max_logprob_diff" in pipeline.rollouts.update_weights(pipeline.actor, version=v)
+        probed = ["weight_sync/max_logprob_diff" in pipeline.publisher.publish(pipeline.actor, version=v)
                   for v in (1, 2, 3)]
         assert probed == [False, True, False]
     finally:
@@ -323,26 +360,26 @@ def test_the_weight_sync_probe_checks_the_first_and_every_nth_sync(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "one_step_off"])
 def test_a_failed_probe_stops_the_sync_or_the_next_one_in_overlapped_modes(tmp_path, mode):
     """Sync mode scores the probe before the sync returns; the overlapped modes score it while the next step trains,
-    and the next sync (or settle_weight_check) reports its diff or raises its error, before newer weights go in."""
+    and the next sync (or `settle`) reports its diff or raises its error, before newer weights go in."""
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1, mode=mode))
     try:
-        manager = pipeline.rollouts
-        first = manager.update_weights(pipeline.actor, version=1)  # reports the start-up sync's probe, if pending
-        second = manager.update_weights(pipeline.actor, version=2)
-        assert second["weight_sync/max_logprob_diff"] <= manager.probe_atol
+        publisher = pipeline.publisher
+        first = publisher.publish(pipeline.actor, version=1)  # reports the start-up sync's probe, if pending
+        second = publisher.publish(pipeline.actor, version=2)
+        assert second["weight_sync/max_logprob_diff"] <= publisher.probe_atol
         if mode == "sync":
-            assert "weight_sync/max_logprob_diff" in first and manager.settle_weight_check() == {}
+            assert "weight_sync/max_logprob_diff" in first and publisher.settle() == {}
         else:
-            assert "weight_sync/max_logprob_diff" in manager.settle_weight_check()  # version 2's, scored meanwhile
-        manager.probe_atol = -1.0  # no difference passes: every probe fails
+            assert "weight_sync/max_logprob_diff" in publisher.settle()  # version 2's, scored meanwhile
+        publisher.probe_atol = -1.0  # no difference passes: every probe fails
         if mode == "sync":
             with pytest.raises(WeightSyncError, match="differ by up to"):
-                manager.update_weights(pipeline.actor, version=3)
+                publisher.publish(pipeline.actor, version=3)
         else:
-            manager.update_weights(pipeline.actor, version=3)  # returns; its probe fails meanwhile
+            publisher.publish(pipeline.actor, version=3)  # returns; its probe fails meanwhile
             with pytest.raises(WeightSyncError, match="differ by up to"):
-                manager.update_weights(pipeline.actor, version=4)
-            assert manager.version == 3  # version 4's weights did not go in
+                publisher.publish(pipeline.actor, version=4)
+            assert pipeline.pool.version == 3  # version 4's weights did not go in
     finally:
         pipeline.shutdown()
 
@@ -351,8 +388,8 @@ def test_a_long_lived_context_forgets_the_requests_that_finished(tmp_path):
     """The async producer's context lives for the whole run: a finished request's id is not kept (nor aborted)."""
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1))
     try:
-        ctx = pipeline.rollouts.context()
-        for group in pipeline.rollouts.data_source.get_samples(2):
+        ctx = pipeline.producer.context()
+        for group in pipeline.producer.data_source.get_samples(2):
             for sample in group:
                 ctx.run(generate_sample(ctx, sample, SamplingParams(temperature=1.0, max_new_tokens=3, n=1)))
                 assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
@@ -399,7 +436,7 @@ def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_
     HELD.set()
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=3, engines=1, mode="async", max_staleness=1,
                                         generate_function=f"{THIS}:held_after_the_first_step"))
-    manager = pipeline.rollouts
+    manager = pipeline.producer
     try:
         manager.start_continuous()
         first, _ = manager.take()
@@ -409,7 +446,7 @@ def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_
         waiting.start()
         wait_until(lambda: manager._taking and len(GROUPS_STARTED) == 8, "step 2's groups started and held, and its "
                    "take waiting", timeout_s=30)
-        manager.update_weights(pipeline.actor, version=1)  # step 1 synced: step 3's groups are admissible now
+        pipeline.publisher.publish(pipeline.actor, version=1)  # step 1 synced: step 3's groups are admissible now
         time.sleep(0.5)
         assert len(GROUPS_STARTED) == 8, "groups started while the trainer waited on the ones it needs"
         HELD.clear()

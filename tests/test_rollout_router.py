@@ -244,7 +244,7 @@ def test_a_cancelled_caller_does_not_take_its_engine_out(router):
     future = router.generate(request("uncancellable", max_new_tokens=16))
     assert not future.cancel()  # a request is stopped with abort, not by cancelling its future
 
-    async def give_up_waiting() -> None:  # as the rollout manager waits: cancelling the task cancels the wrapper
+    async def give_up_waiting() -> None:  # as the engine pool waits: cancelling the task cancels the wrapper
         task = asyncio.ensure_future(asyncio.wrap_future(router.generate(request("abandoned", max_new_tokens=16))))
         await asyncio.sleep(0.05)
         task.cancel()
@@ -376,7 +376,7 @@ def test_a_killed_engine_is_restarted_and_every_request_completes_once(make_pool
     engines = make_pool("ray", health_check_interval_s=0.5, heartbeat_timeout_s=20.0)
     restarted = []
 
-    def on_restart(index: int) -> None:  # where the rollout manager gives a restarted engine the current weights
+    def on_restart(index: int) -> None:  # where the engine pool gives a restarted engine the current weights
         restarted.append(index)
         engines[index].import_weights([], version=7)
 

@@ -17,7 +17,7 @@ from baton.dag.executor import NodeContext, NodeOutput
 from baton.dag.graph import node_function
 from baton.data import DataProto
 from baton.distributed.future import RenamedData
-from baton.rl import add_model_scores
+from baton.rl import add_model_scores, per_row
 from baton.rl.metrics import reward_error_count, reward_extra_metrics
 
 PROMPT_COLUMNS = ["input_ids", "attention_mask", "prompt", "uid"]
@@ -110,8 +110,7 @@ def compute_advantage(batch: DataProto, config: dict):
     this step's, adaptive or fixed); for ReMax first each row's `reward_baselines` from the greedy baseline node."""
     baselines = batch.meta_info.get(BASELINES)
     if baselines is not None:
-        batch.batch["reward_baselines"] = torch.tensor([baselines[uid] for uid in batch.non_tensor_batch["uid"].tolist()],
-                                                       dtype=torch.float32)
+        batch.batch["reward_baselines"] = per_row(baselines, batch)
     columns, metrics = config["rl"].advantage_columns(batch)
     if baselines is not None:
         columns["reward_baselines"] = batch.batch["reward_baselines"]
@@ -168,8 +167,6 @@ def score_with(batch: DataProto, config: dict):
     """One reward function (`config["reward_fn"]`: a registry name or import path, called with `config["kwargs"]`)
     on every response, into the float column `config["column"]`: a reward of its own, for a node that combines
     several (`weighted_sum`). Runs on a compute worker; decodes with the actor's tokenizer."""
-    import torch
-
     from baton.rewards import get_reward_fn
 
     fn, kwargs = get_reward_fn(config["reward_fn"]), dict(config.get("kwargs") or {})
@@ -185,8 +182,6 @@ def score_with(batch: DataProto, config: dict):
 def weighted_sum(batch: DataProto, config: dict):
     """`scores` = Σ weight × column over `config["weights"]` ({column: weight}), and `token_level_scores` with the
     score on each response's last token (the reward workers' layout)."""
-    import torch
-
     mask = batch.batch["response_mask"]
     scores = sum(float(w) * batch.batch[column].float() for column, w in config["weights"].items())
     lengths = mask.sum(-1)

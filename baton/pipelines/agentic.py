@@ -16,10 +16,7 @@ from baton.agentic.rollout import VAL_SEED_OFFSET, AgenticSettings, episode_rows
 from baton.config import ConfigError
 from baton.datasets import PromptDataset
 from baton.models import load_tokenizer
-from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
-from baton.pipelines.demo import DemoConfig, DemoPipeline
 from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
-from baton.strategy import OptimizerConfig, StrategyConfig
 
 GENERATE = "baton.agentic.rollout:generate_trajectory"
 REWARD = "baton.agentic.rollout:trajectory_reward"
@@ -75,7 +72,7 @@ class AgenticPipeline(RolloutRLVRPipeline):
         except BaseException:
             self.env_pool.close_pool()
             raise
-        self.rollouts.extras.update(agentic=settings, env_pool=self.env_pool)
+        self.services.extras.update(agentic=settings, env_pool=self.env_pool)
 
     def make_probe(self):
         """The weight-sync probe: the log-prob of each of a few first observations' last character."""
@@ -102,46 +99,5 @@ class AgenticPipeline(RolloutRLVRPipeline):
             self.env_pool.close_pool()
 
 
-def _warm_up() -> SFTConfig:
-    """The example's first stage: SFT on the weak teacher's games (`baton.agentic.demos`)."""
-    from baton.agentic.demos import DEMOS_FILE
 
-    return SFTConfig(
-        actor=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-3))),
-        data=DataConfig(task="files", train_path=DEMOS_FILE, response_key="response", max_prompt_len=16),
-        trainer=TrainerConfig(num_steps=300, num_prompts_per_step=64, val_every_steps=300, save_every_steps=300,
-                              run_dir="runs/agentic/sft"))
-
-
-def _agentic_rl() -> AgenticConfig:
-    """The example's second stage: GRPO on guess-the-number (1-7, three guesses) from the warm-up's checkpoint."""
-    from baton.agentic.demos import HIGH, MAX_TURNS
-
-    policy = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", optimizer=OptimizerConfig(lr=1e-4)))
-    return AgenticConfig(
-        actor=policy, rollout=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"), world_size=1),
-        agentic=AgenticSettings(env_kwargs={"high": HIGH}, max_turns=MAX_TURNS, max_tokens_per_turn=3,
-                                num_val_episodes=200),
-        sampling=SamplingConfig(temperature=1.0, num_samples_per_prompt=8),
-        trainer=TrainerConfig(num_steps=60, num_prompts_per_step=16, val_every_steps=20, save_every_steps=60,
-                              run_dir="runs/agentic/rlvr"))
-
-
-@dataclass
-class AgenticDemoConfig(DemoConfig):
-    """The agentic example: SFT on the weak teacher's games, then GRPO on the environment from its checkpoint
-    (`DemoConfig`'s two stages; the rlvr stage is the agentic one). `start_val_accuracy` / `final_val_accuracy`
-    in the summary are the greedy policy's win rates on the held-out episodes before and after GRPO."""
-
-    pipeline_cls: str = "baton.pipelines.agentic:AgenticDemoPipeline"
-    run_dir: str = "runs/agentic"
-    sft: SFTConfig = field(default_factory=_warm_up)
-    rlvr: AgenticConfig = field(default_factory=_agentic_rl)
-
-
-class AgenticDemoPipeline(DemoPipeline):
-    config_cls = AgenticDemoConfig
-    second_pipeline_cls = "baton.pipelines.agentic:AgenticPipeline"
-
-
-__all__ = ["AgenticConfig", "AgenticDemoConfig", "AgenticDemoPipeline", "AgenticPipeline"]
+__all__ = ["AgenticConfig", "AgenticPipeline"]

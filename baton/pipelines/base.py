@@ -233,8 +233,11 @@ class Pipeline:
         self.bar.close()
 
     def end_step(self, step: int, metrics: dict[str, float], label: str, key: str) -> None:
-        """Validate when due, log, show `label`=metrics[key] and val accuracy on the progress bar, checkpoint when due."""
+        """Validate when due, log, show `label`=metrics[key] and val accuracy on the progress bar, checkpoint when due.
+        A step that counts its tokens (`perf/total_num_tokens`) logs them per second of the step (`perf/throughput`)."""
         trainer = self.trainer
+        if "perf/total_num_tokens" in metrics and "timing_s/step" in self.timings:
+            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings["timing_s/step"]
         last = step == trainer.num_steps
         if step % trainer.val_every_steps == 0 or last:
             metrics.update(self.validate())

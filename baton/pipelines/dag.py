@@ -207,8 +207,6 @@ class DAGPipeline(RLVRPipeline):
             with self.timer("step"):
                 node_metrics = self.executor.run_step(step)
             metrics = {**node_metrics, **self.node_timings(), **self.timings}
-            if "perf/total_num_tokens" in metrics:
-                metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings["timing_s/step"]
             if "actor/reward_kl_penalty" in metrics:  # the adaptive KL controller moves by the step's observed KL
                 num_rows = self.config.trainer.num_prompts_per_step * self.config.sampling.num_samples_per_prompt
                 self.algorithm.observe_kl(metrics, num_rows)

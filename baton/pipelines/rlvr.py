@@ -130,17 +130,12 @@ class RLVRPipeline(Pipeline):
                 batch, train_metrics = self.algorithm.train_on(batch, self.training_roles(), self.timer)
                 if step % trainer.sync_every_steps == 0:
                     self.sync_weights()
-            metrics = {**self.rollout_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(batch),
+            metrics = {**self.algorithm.batch_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(batch),
                        **model_score_metrics(rewards), **train_metrics, **self.timings}
             self.algorithm.watch(step, metrics)
             self.end_step(step, metrics, "reward", "critic/score/mean")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
-
-    def rollout_metrics(self, batch: DataProto) -> dict[str, float]:
-        metrics = self.algorithm.batch_metrics(batch)
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings.get("timing_s/step", float("nan"))
-        return metrics
 
     def validate(self) -> dict[str, float]:
         self.on_device("rollout")

@@ -17,7 +17,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from baton.config import ConfigError
 from baton.data import DataProto
@@ -25,25 +24,29 @@ from baton.datasets import PromptDataset
 from baton.datasets.load import load_datasets, load_prompt_file
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig, RoleConfig
-from baton.pipelines.demo import DemoConfig, DemoPipeline, demo_rlvr_as
 from baton.pipelines.policy import probe_tolerance
 from baton.pipelines.rlvr import reward_model_role
 from baton.pipelines.time_sharing import cluster_devices, on_gpus
-from baton.rl import RLAlgorithm, SFTLoss, StaleSamplesWarning, TrainingRoles, add_model_scores
+from baton.rl import RLAlgorithm, SFTLoss, StaleSamplesWarning, TrainingRoles, add_model_scores, per_row
 from baton.rl.metrics import reward_extra_metrics
 from baton.rollout import RolloutDataSource, Sample
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.engine_worker import EngineWorker
 from baton.rollout.functions import RolloutStalledError
-from baton.rollout.manager import RolloutManager
-from baton.strategy.capabilities import backends_that, capabilities
+from baton.rollout.context import RolloutServices, load_plugin
+from baton.rollout.evaluator import RolloutEvaluator
+from baton.rollout.pool import EnginePool
+from baton.rollout.producer import RolloutProducer
+from baton.rollout.publisher import WeightPublisher
+from baton.rollout.reward import GroupRewarder
+from baton.strategy.capabilities import backends_that, can_share_weights, capabilities
 from baton.workers import ActorWorker, CriticWorker, ReferenceWorker
 from baton.workers.weight_sync import probe_batch
 
 
 @dataclass
 class RolloutRewardConfig:
-    """How the rollout manager scores each finished group (in the driver's process, off its event loop): one row
+    """How the rollout system scores each finished group (in the driver's process, off its event loop): one row
     after another in a thread (num_processes 0), or concurrently in that many processes of their own, where a row
     running past timeout_s_per_row is cut off and handled by reward_on_error (see `RewardSettings`)."""
 
@@ -70,7 +73,7 @@ class RolloutRLVRConfig(RLVRConfig):
 
     pipeline_cls: str = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
     rollout_system: RolloutSystemConfig = field(default_factory=RolloutSystemConfig)
-    reward: RolloutRewardConfig = field(default_factory=RolloutRewardConfig)  # no reward workers: the manager scores
+    reward: RolloutRewardConfig = field(default_factory=RolloutRewardConfig)  # no reward workers: the GroupRewarder scores
     eval_files: dict[str, str] = field(default_factory=dict)
     loss: str = "policy"
 
@@ -78,10 +81,15 @@ class RolloutRLVRConfig(RLVRConfig):
         super().check()
         if self.loss not in ("policy", "sft"):
             raise ConfigError(f"loss {self.loss!r} is not one of 'policy', 'sft'")
-        if self.colocate_actor_rollout:
-            raise ConfigError("colocate_actor_rollout fuses the actor with a rollout worker; the rollout system's "
-                              "engines are workers of their own: give them the actor's device_mapping to share its "
-                              "devices instead")
+        if self.colocate_actor_rollout and self.rollout_system.load_rollouts is not None:
+            raise ConfigError("colocate_actor_rollout puts an engine in each actor process, but "
+                              "rollout_system.load_rollouts trains on saved rollouts without engines; unset one of them")
+        if (self.colocate_actor_rollout and self.rollout_system.mode != "sync"
+                and can_share_weights(self.actor.strategy.name, self.rollout.strategy.name)):
+            raise ConfigError(f"colocate_actor_rollout: the engines generate with the actor's own tensors, which "
+                              f"training changes in place, so they cannot generate while it trains "
+                              f"(rollout_system.mode {self.rollout_system.mode!r}); use mode: sync, or "
+                              "colocate_actor_rollout: false")
         if not capabilities(self.rollout.strategy.name).serves_requests:
             raise ConfigError(f"rollout.strategy.name {self.rollout.strategy.name!r}: the rollout system's engines serve "
                               f"requests, which {', '.join(backends_that('serves_requests'))} do; set one of them")
@@ -111,10 +119,16 @@ class RolloutRLVRPipeline(Pipeline):
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
         if config.reward_model is not None:
             roles["reward_model"] = reward_model_role(config)
-        engines = engine_roles(config.rollout) if system.load_rollouts is None else {}  # train-only: no engines
+        colocated = config.colocate_actor_rollout
+        if system.load_rollouts is not None:  # train-only: no engines
+            engines = {}
+        elif colocated:  # an engine in each actor rank's process
+            engines = {"rollout": config.rollout}
+        else:
+            engines = engine_roles(config.rollout)
         roles.update({name: (EngineWorker, role, (role.strategy, system.max_num_seqs_per_engine))
                       for name, role in engines.items()})
-        clusters = self.create_clusters(roles)
+        clusters = self.create_clusters(roles, {"policy": ["actor", "rollout"]} if colocated else None)
         self.actor, self.reference, self.critic = clusters["actor"], clusters.get("reference"), clusters.get("critic")
         self.reward_model = clusters.get("reward_model")
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
@@ -132,20 +146,29 @@ class RolloutRLVRPipeline(Pipeline):
                                    buffer_filter=system.buffer_filter)
         eval_sets: dict[str, PromptDataset] = {"val": self.val_data} if self.val_data is not None else {}
         eval_sets.update({name: load_prompt_file(data, path, self.tokenizer) for name, path in config.eval_files.items()})
-        self.rollouts = RolloutManager(
-            system, [clusters[name] for name in engines], source, self.tokenizer,
-            dataclasses.replace(config.sampling.params(), n=1), config.trainer.num_prompts_per_step,
-            reward_fn=config.reward_fn, reward_on_error=config.reward_on_error,
-            reward_num_processes=config.reward.num_processes,
-            reward_timeout_s_per_row=config.reward.timeout_s_per_row, probe=self.make_probe(),
-            probe_atol=probe_tolerance(config.actor, config.rollout), eval_sets=eval_sets,
-            eval_sampling_params=config.val_sampling.params(seed=0), max_prompt_len=data.max_prompt_len,
-            engines_on_gpu=on_gpus(self.manager), response_key=data.sft_response_key,
-            overlong=((config.sampling.max_new_tokens, config.overlong_buffer.len, config.overlong_buffer.penalty_factor)
-                      if config.overlong_buffer.len else None))
-        self.time_share = self.engines_share_devices(clusters, list(engines))
+        overlong = config.overlong_buffer
+        rewarder = GroupRewarder(
+            config.reward_fn, on_error=config.reward_on_error, num_processes=config.reward.num_processes,
+            timeout_s_per_row=config.reward.timeout_s_per_row, timeout_s=system.reward_timeout_s,
+            custom=load_plugin(system.reward_function, "reward_function"),
+            overlong=(config.sampling.max_new_tokens, overlong.len, overlong.penalty_factor) if overlong.len else None)
+        # The rollout system: the engines behind their router, the reward, and three parts that use them: the
+        # producer makes the steps' groups, the publisher puts weights into the engines, the evaluator scores the
+        # held-out sets.
+        self.pool = EnginePool(system, [clusters["rollout"].worker_view(rank) for rank in range(self.actor.world_size)]
+                               if colocated else [clusters[name] for name in engines])
+        self.services = RolloutServices(self.pool, rewarder, self.tokenizer, data.sft_response_key)
+        self.producer = RolloutProducer(self.services, source, dataclasses.replace(config.sampling.params(), n=1),
+                                        config.trainer.num_prompts_per_step)
+        share = colocated and can_share_weights(config.actor.strategy.name, config.rollout.strategy.name)
+        self.publisher = WeightPublisher(self.pool, self.make_probe(), probe_tolerance(config.actor, config.rollout),
+                                         share_role="actor" if share else None, engines_on_gpu=on_gpus(self.manager))
+        self.evaluator = RolloutEvaluator(self.services, eval_sets, config.val_sampling.params(seed=0),
+                                          config.trainer.num_prompts_per_step, data.max_prompt_len)
+        # Colocated engines hold the actor's devices with it (sharing its tensors where they can): never offloaded.
+        self.time_share = not colocated and self.engines_share_devices(clusters, list(engines))
         if engines:
-            self.rollouts.update_weights(self.actor, version=0)
+            self.publisher.publish(self.actor, version=0)
         # The overlapped modes: the next step's (groups, metrics, batch or None), being generated or taken, and
         # made training data, in the background while this step trains.
         self.next_rollout: concurrent.futures.Future | None = None
@@ -184,7 +207,7 @@ class RolloutRLVRPipeline(Pipeline):
     def pipeline_state(self) -> dict:
         """Besides the loop's (and the algorithm's): the data source (its buffer and the partial samples in it) and,
         in the overlapped modes, the next step's groups, generated or taken ahead (waited for first)."""
-        state = {**super().pipeline_state(), **self.algorithm.state_dict(), "rollouts": self.rollouts.state_dict(),
+        state = {**super().pipeline_state(), **self.algorithm.state_dict(), "rollouts": self.producer.state_dict(),
                  "next_rollout": None}
         if self.next_rollout is not None:
             groups, metrics, _ = self.wait_next_rollout()
@@ -194,7 +217,7 @@ class RolloutRLVRPipeline(Pipeline):
     def load_pipeline_state(self, state: dict) -> None:
         super().load_pipeline_state(state)
         self.algorithm.load_state_dict(state)
-        self.rollouts.load_state_dict(state["rollouts"])
+        self.producer.load_state_dict(state["rollouts"])
         saved = state.get("next_rollout")
         if saved is not None:
             groups = [[Sample.from_dict(d) for d in g] for g in saved["groups"]]
@@ -203,21 +226,21 @@ class RolloutRLVRPipeline(Pipeline):
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
-        if self.resumed_from_step is not None and self.rollouts.engines:
-            self.rollouts.update_weights(self.actor, version=self.global_step)
+        if self.resumed_from_step is not None and self.pool.engines:
+            self.publisher.publish(self.actor, version=self.global_step)
 
     def do_checkpoint(self, step: int) -> str:
         """In async mode the producer stops first (what runs is aborted into the buffer, what is ready goes back to
         its front), so the checkpoint holds every sample; it starts again after. The next step's take, running
         meanwhile, is waited for first: its groups are saved as the next step's."""
-        continuous = self.rollouts.producing
+        continuous = self.producer.producing
         if continuous:
             if self.next_rollout is not None:
                 self.wait_next_rollout()
-            self.rollouts.stop_continuous()
+            self.producer.stop_continuous()
         path = super().do_checkpoint(step)
         if continuous and step < self.trainer.num_steps:
-            self.rollouts.start_continuous()
+            self.producer.start_continuous()
         return path
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -233,7 +256,7 @@ class RolloutRLVRPipeline(Pipeline):
         else:
             groups, metrics, made = self.prepare(step)
         if self.config.rollout_system.mode != "sync" and step < self.trainer.num_steps:
-            self.next_rollout = self.rollouts.run_in_background(self.prepare, step + 1)
+            self.next_rollout = self.producer.run_in_background(self.prepare, step + 1)
         batch, data_metrics = made if made is not None else self.training_data(groups, step)  # None: from a checkpoint
         return batch, {**metrics, **data_metrics}
 
@@ -247,36 +270,35 @@ class RolloutRLVRPipeline(Pipeline):
         except concurrent.futures.TimeoutError:
             if self.next_rollout.done():  # the preparation's own timeout
                 raise
-            raise RolloutStalledError(self.rollouts.describe_stall(
+            raise RolloutStalledError(self.pool.describe_stall(
                 f"the next step's batch was not ready within {timeout_s:g} s (rollout_system.rollout_timeout_s + "
                 "watchdog_s)")) from None
 
     def prepare(self, step: int) -> tuple[list[list[Sample]], dict[str, float], tuple[DataProto, dict]]:
         """Step `step`'s groups (generated, or taken from the async producer), their metrics, and their training
         batch."""
-        groups, metrics = self.rollouts.take() if self.config.rollout_system.mode == "async" else \
-            self.rollouts.generate(step)
+        groups, metrics = self.producer.take() if self.config.rollout_system.mode == "async" else \
+            self.producer.generate(step)
         return groups, metrics, self.training_data(groups, step)
 
     def training_data(self, groups: list[list[Sample]], step: int) -> tuple[DataProto, dict[str, float]]:
         """Step `step` trains the weights of version step - 1: the groups are checked against the bound for it. For
         ReMax, each row's `reward_baselines`: the reward of a greedy response to its prompt, generated now."""
-        batch, metrics = self.rollouts.to_training_data(groups, trained_version=step - 1,
+        batch, metrics = self.producer.to_training_data(groups, trained_version=step - 1,
                                                         temperature=self.config.sampling.temperature)
         if self.algorithm.needs.baseline_rollout and self.config.loss == "policy":
-            by_group = self.rollouts.greedy_baselines(groups, self.config.sampling.max_new_tokens)
-            batch.batch["reward_baselines"] = torch.tensor([by_group[int(uid)] for uid in batch.non_tensor_batch["uid"]],
-                                                           dtype=torch.float32)
+            by_group = self.evaluator.greedy_baselines(groups, self.config.sampling.max_new_tokens)
+            batch.batch["reward_baselines"] = per_row(by_group, batch)
         return batch, metrics
 
     def run(self) -> dict:
         trainer, system = self.config.trainer, self.config.rollout_system
-        engines = self.rollouts.engines
+        engines = self.pool.engines
         tracker = self.make_tracker()
         start = time.perf_counter()
         first_val = self.first_validation()
         if system.mode == "async" and self.global_step < trainer.num_steps:
-            self.rollouts.start_continuous()
+            self.producer.start_continuous()
         metrics: dict[str, float] = {}
         for step in self.training_steps("rlvr"):
             with self.timer("step"):
@@ -286,25 +308,24 @@ class RolloutRLVRPipeline(Pipeline):
                 if not system.rollout_only:
                     if self.time_share:  # the engines sleep while the training roles use their devices
                         with self.timer("offload"):
-                            self.rollouts.offload()
+                            self.publisher.offload()
                     batch, train_metrics = self.train(batch)
                     if self.time_share:
                         with self.timer("reload"):
-                            self.rollouts.onload()
+                            self.publisher.onload()
                     with self.timer("sync"):
-                        sync_metrics = self.rollouts.update_weights(self.actor, version=step) if engines else {}
-            metrics = {**self.rollout_metrics(batch), **self.rollouts.reward_error_metrics(),
+                        sync_metrics = self.publisher.publish(self.actor, version=step) if engines else {}
+            metrics = {**self.rollout_metrics(batch), **self.services.rewarder.error_metrics(),
                        **reward_extra_metrics(batch), **rollout_metrics, **train_metrics, **sync_metrics, **self.timings}
             self.algorithm.watch(step, metrics)
             self.end_step(step, metrics, "reward", "critic/score/mean")
-        self.rollouts.settle_weight_check()  # the last sync's probe, when scored in the background
+        self.publisher.settle()  # the last sync's probe, when scored in the background
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 
     def rollout_metrics(self, batch: DataProto) -> dict[str, float]:
-        metrics = self.algorithm.batch_metrics(batch)
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings.get("timing_s/step", float("nan"))
-        return metrics
+        """The trained batch's metrics (the algorithm's); a pipeline on this one adds its own (the agentic one's)."""
+        return self.algorithm.batch_metrics(batch)
 
     def train(self, batch) -> tuple:
         """The algorithm's training (`RLAlgorithm.train_on`), the reward model's score added first where there is
@@ -324,30 +345,15 @@ class RolloutRLVRPipeline(Pipeline):
 
     def validate(self) -> dict[str, float]:
         """The val set's metrics as `val/...`, the loop's metric set; the further eval sets' as `eval/{name}/...`."""
-        return self.rollouts.eval(self.global_step)
+        return self.evaluator.eval(self.global_step)
 
     def shutdown(self) -> None:
-        if hasattr(self, "rollouts"):
-            self.rollouts.close()
+        services = getattr(self, "services", None)
+        parts = (getattr(self, "producer", None), getattr(self, "publisher", None),  # the producer first: it stops
+                 services and services.rewarder, getattr(self, "pool", None))  # generating, the pool last
+        for part in filter(None, parts):
+            part.close()
         super().shutdown()
 
 
-def _demo_rlvr_default() -> RolloutRLVRConfig:
-    """The demo's GRPO stage on the rollout system: its settings, with the engines in workers of their own."""
-    return demo_rlvr_as(RolloutRLVRConfig, drop=("reward",), colocate_actor_rollout=False)
-
-
-@dataclass
-class RolloutDemoConfig(DemoConfig):
-    """The demo (SFT, then GRPO from its checkpoint) with the GRPO stage on the rollout system (`rlvr.rollout_system`)."""
-
-    pipeline_cls: str = "baton.pipelines.rollout_rlvr:RolloutDemoPipeline"
-    rlvr: RolloutRLVRConfig = field(default_factory=_demo_rlvr_default)
-
-
-class RolloutDemoPipeline(DemoPipeline):
-    config_cls = RolloutDemoConfig
-    second_pipeline_cls = "baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"
-
-
-__all__ = ["RolloutDemoConfig", "RolloutDemoPipeline", "RolloutRLVRConfig", "RolloutRLVRPipeline", "engine_roles"]
+__all__ = ["RolloutRLVRConfig", "RolloutRLVRPipeline", "engine_roles"]

@@ -7,6 +7,7 @@ from baton.rl.algorithm import (
                                 add_model_scores,
                                 advantage_columns,
                                 baseline_per_row,
+                                per_row,
                                 reward_components,
 )
 from baton.rl.config import AlgorithmConfig, KLControlConfig
@@ -15,5 +16,5 @@ from baton.rl.metrics import SignalWatch, batch_metrics, logprob_gap, validation
 
 __all__ = ["AlgorithmConfig", "DistillLoss", "KLControlConfig", "PolicyLoss", "RLAlgorithm", "SFTLoss", "SignalWatch",
            "StaleSamplesWarning", "TrainingRoles", "ValueLoss", "add_model_scores", "advantage_columns",
-           "baseline_per_row", "batch_metrics", "logprob_gap", "reward_components", "validation_set_metrics",
+           "baseline_per_row", "batch_metrics", "logprob_gap", "per_row", "reward_components", "validation_set_metrics",
            "zero_std_group_fraction"]

@@ -202,6 +202,12 @@ def baseline_per_row(baseline: DataProto, baseline_rewards: DataProto, batch: Da
     reward = baseline_rewards.batch["token_level_scores"].sum(-1)  # [prompts]
     by_uid = dict(zip(baseline.non_tensor_batch["uid"].tolist(), reward.tolist()))
     assert len(by_uid) == len(baseline), "one greedy response per prompt"
+    return per_row(by_uid, batch)
+
+
+def per_row(by_uid: dict, batch: DataProto) -> torch.Tensor:
+    """A value per prompt (uid → value, e.g. its greedy baseline's reward) as one per row of `batch` [rows], each
+    row taking its prompt's by its uid."""
     return torch.tensor([by_uid[uid] for uid in batch.non_tensor_batch["uid"].tolist()], dtype=torch.float32)
 
 

@@ -38,12 +38,12 @@ class RolloutSystemConfig:
         train on it, checked when a group is trained: a group past it is dropped (`rollout/num_dropped/stale`)
         and its prompt goes back to the buffer.
     rollout_function: slime's contract, `fn(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`
-        (a coroutine function or a plain one); `args` is the manager's `RolloutContext`.
+        (a coroutine function or a plain one); `args` is a `RolloutContext`.
     generate_function: per sample, `async fn(args, sample, params) -> Sample` (None: one engine request, resumed
         from the sample's partial response). reward_function: `fn(args, sample) -> float | dict` (a coroutine
         function or a plain one; None: the pipeline's `reward_fn` over the decoded response).
     eval_function: `fn(args, rollout_id, data_sources, evaluation=True) -> {name: list[list[Sample]]}`, every eval
-        set's rewarded groups (`data_sources`: name -> a `RolloutDataSource` over that set); the manager computes
+        set's rewarded groups (`data_sources`: name -> a `RolloutDataSource` over that set); the evaluator computes
         `eval/{name}/...` from them.
     over_sampling_factor: prompt groups started per group the step needs (DAPO's over-sampling); groups that pass
         `dynamic_filter` (`fn(args, group) -> bool | (bool, reason)`; None keeps every group) are kept until the step

@@ -1,5 +1,5 @@
 """The shipped rollout functions (slime's contract: `fn(args, rollout_id, data_source, evaluation=False) ->
-list[list[Sample]]`, `args` the manager's `RolloutContext`) and the pieces they are made of, for custom ones to reuse:
+list[list[Sample]]`, `args` a `RolloutContext`) and the pieces they are made of, for custom ones to reuse:
 one sample's generation, one group's generation and reward, the dynamic filter.
 
 `generate_rollout` is DAPO's over-sampling with dynamic filtering: it starts `over_sampling_factor` times the
@@ -184,7 +184,7 @@ def reset_sample(sample: Sample, keep_tokens: bool) -> None:
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
-    """The default rollout function (slime's contract), run on the manager's event loop."""
+    """The default rollout function (slime's contract), run on the engine pool's event loop."""
     return args.run(generate_rollout_async(args, rollout_id, data_source, evaluation))
 
 
@@ -203,7 +203,7 @@ async def eval_rollout_async(args, rollout_id: int, data_sources: dict, evaluati
 
 
 def eval_rollout(args, rollout_id: int, data_sources: dict, evaluation: bool = True) -> dict:
-    """The default eval function: {name: groups} of every eval set, on the manager's event loop."""
+    """The default eval function: {name: groups} of every eval set, on the engine pool's event loop."""
     return args.run(eval_rollout_async(args, rollout_id, data_sources, evaluation))
 
 

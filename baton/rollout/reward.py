@@ -63,6 +63,7 @@ class GroupRewarder:
         self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes and custom is None else None
         self._pool_lock = threading.Lock()  # the scoring pool serves one group at a time
         self.num_errors = self.num_timeouts = 0  # rows scored 0 by reward_on_error "zero", timeouts among them
+        self._reported = (0, 0)  # (num_errors, num_timeouts) already reported, or left out (`uncounted`)
 
     async def __call__(self, args: Any, group: list[Sample]) -> None:
         try:
@@ -96,6 +97,23 @@ class GroupRewarder:
         with self._pool_lock if self.pool is not None else contextlib.nullcontext():
             return score_rows(self.reward_fn, [s.response for s in group], [s.label for s in group], columns,
                               self.on_error, self.pool)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """The reward errors of rows scored in the block (held-out sets, baselines) are left out of `error_metrics`;
+        the list it yields holds their (num_errors, num_timeouts) once the block ends."""
+        errors, timeouts = self.num_errors, self.num_timeouts
+        counted: list[int] = []
+        yield counted
+        counted += [self.num_errors - errors, self.num_timeouts - timeouts]
+        self._reported = (self._reported[0] + counted[0], self._reported[1] + counted[1])
+
+    def error_metrics(self) -> dict[str, float]:
+        """`reward/num_errors` and `reward/num_timeouts` of the training rows scored since the last call (as the
+        loop counts a step's): rows the reward function raised on or ran past its time limit on, scored 0."""
+        errors, timeouts = self.num_errors, self.num_timeouts
+        reported, self._reported = self._reported, (errors, timeouts)
+        return {"reward/num_errors": float(errors - reported[0]), "reward/num_timeouts": float(timeouts - reported[1])}
 
     def close(self) -> None:
         if self.pool is not None:

@@ -5,7 +5,7 @@ affinity key (a multi-turn conversation's id), to the engine that served that ke
 stays on one engine's prefix cache. One thread per engine polls it for finished results and checks its health
 every `health_interval_s`. An engine whose worker dies, freezes, or reports a failed step is taken out: its
 requests in flight go to the other engines (from their start; a request is retried at most `max_retries` times),
-and it is restarted (`Cluster.restart`, then `on_restart(index)`, where the rollout manager gives it the current
+and it is restarted (`Cluster.restart`, then `on_restart(index)`, where the weight publisher gives it the current
 weights) and taken back. Every request's future is settled exactly once. `metrics()` reports load per engine,
 retries and restarts.
 """
