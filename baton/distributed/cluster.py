@@ -204,8 +204,9 @@ class _Group:
         if self.manager.backend == "ray":
             self.monitor = HealthMonitor(self.hosts, self.backend.kill, interval_s=self.config.health_check_interval_s,
                                          heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+        on_one_node = len({placement.node_index for placement in self.placements}) == 1
         [(addr, port)] = self.backend.get(
-            [self.backend.submit(self.hosts[0], "master_address")], self.sources("master_address")[:1],
+            [self.backend.submit(self.hosts[0], "master_address", on_one_node)], self.sources("master_address")[:1],
             self.config.start_timeout_s, self.monitor,
         )
         roles = {role: (spec.cls, spec.args, spec.kwargs) for role, spec in self.roles.items()}

@@ -12,8 +12,8 @@ import os
 from baton.distributed.dispatch import check_data_output
 from baton.distributed.heap import freeze_heap
 from baton.distributed.remote import RemoteData
-from baton.distributed.worker import (RankInfo, WorkerContext, find_free_port, node_ip_address, pin_to_cores,
-                                      usable_cpu_count)
+from baton.distributed.rendezvous import master_address
+from baton.distributed.worker import RankInfo, WorkerContext, pin_to_cores, usable_cpu_count
 
 
 class WorkerHost:
@@ -22,10 +22,11 @@ class WorkerHost:
         self._workers: dict[str, object] = {}
         self._master: tuple[str, int] | None = None
 
-    def master_address(self) -> tuple[str, int]:
-        """Address and a free port on this host's node, for torch.distributed's rendezvous (asked of rank 0)."""
+    def master_address(self, on_one_node: bool) -> tuple[str, int]:
+        """Address and a free port for torch.distributed's rendezvous (asked of rank 0): loopback when the cluster's
+        ranks all run on this node, else this node's address."""
         if self._master is None:
-            self._master = (node_ip_address(), find_free_port())
+            self._master = master_address(on_one_node)
         return self._master
 
     def construct(self, roles: dict[str, tuple[type, tuple, dict]], context: WorkerContext,

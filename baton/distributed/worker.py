@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from dataclasses import dataclass
 from typing import Sequence
+
+from baton.distributed.rendezvous import socket_interface_env
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class WorkerContext:
     cpu_cores: tuple[int, ...] = ()  # the cores this worker's process runs on (Ray); (): wherever the OS puts it
 
     def env_vars(self) -> dict[str, str]:
-        """The environment torch.distributed's env:// init reads."""
+        """The environment torch.distributed's init reads, and where the master is loopback, the interface its
+        collectives' sockets bind (see `baton.distributed.rendezvous`)."""
         return {
             "RANK": str(self.rank),
             "WORLD_SIZE": str(self.world_size),
@@ -71,6 +73,7 @@ class WorkerContext:
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            **socket_interface_env(self.master_addr),
         }
 
 
@@ -81,8 +84,9 @@ class Worker:
     methods the driver calls with `@register(...)`. The cluster attaches a `WorkerContext` before
     `__init__` runs, so `self.rank`, `self.world_size`, ... are usable inside `__init__`. On the Ray
     backend the process environment also holds `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`
-    and `MASTER_PORT`, so `torch.distributed.init_process_group()` works with no arguments. On the
-    local backend every worker shares the driver's process and the environment is left untouched.
+    and `MASTER_PORT`, which `baton.distributed.rendezvous.init_process_group(backend)` joins by (torch's own
+    `init_process_group()` does too, but its store listens on every interface). On the local backend every
+    worker shares the driver's process and the environment is left untouched.
     """
 
     _baton_context: WorkerContext
@@ -148,18 +152,6 @@ class Worker:
         self._baton_rank_info = rank_info
 
 
-def node_ip_address() -> str:
-    """This machine's address as other nodes see it (Ray's view when Ray is up)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
-
-
 def usable_cpu_count() -> int:
     """The CPU cores this process may run on (its affinity mask where the OS has one, else all of them)."""
     if hasattr(os, "sched_getaffinity"):
@@ -180,9 +172,3 @@ def pin_to_cores(cores: Sequence[int]) -> None:
             os.sched_setaffinity(tid, set(cores))
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
-
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

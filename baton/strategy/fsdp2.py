@@ -1,10 +1,11 @@
 """The FSDP2 strategy: one model sharded over the cluster's workers with torch's `fully_shard`.
 
 torch.distributed is initialised from the environment the cluster sets (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT): gloo on CPU, nccl on GPU. Every worker is a data-parallel rank
-(`RankInfo` dp_rank = rank). Because FSDP averages gradients over ranks, the strategy scales
-each rank's loss by world_size / global unit count, so N workers with shards of any sizes make
-the same update as one worker on the whole batch. With `compute_dtype` bfloat16 every shard group
+MASTER_ADDR, MASTER_PORT) by `baton.distributed.rendezvous`, whose store listens on MASTER_ADDR
+only: gloo on CPU, nccl on GPU. Every worker is a data-parallel rank (`RankInfo` dp_rank = rank).
+Because FSDP averages gradients over ranks, the strategy scales each rank's loss by world_size /
+global unit count, so N workers with shards of any sizes make the same update as one worker on
+the whole batch. With `compute_dtype` bfloat16 every shard group
 gathers its float32 parameters as bf16 for compute and reduces gradients in float32
 (`MixedPrecisionPolicy`), so the optimizer steps float32 shards.
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from baton.data import DataProto
+from baton.distributed.rendezvous import init_process_group
 from baton.strategy.hf import TorchStrategy, default_device
 
 
@@ -29,7 +31,7 @@ class Fsdp2Strategy(TorchStrategy):
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if "RANK" in os.environ:
-                dist.init_process_group(backend)
+                init_process_group(backend)
             else:  # the local backend: one in-process worker, a group of one
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
