@@ -1,13 +1,17 @@
 """Local means local: what a run opens to the network and to other users of the machine (issue 32).
 
 A cluster on one node rendezvous over loopback only; one over several nodes listens on its master's node address,
-never on every interface.
+never on every interface; a local Ray started by baton keeps its temp directory and token private.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -91,3 +95,51 @@ def test_the_fsdp2_rendezvous_listens_on_loopback_on_one_node_and_on_the_node_ad
     for rank in spread:
         assert not {address for address, _ in rank["opened"]} & {"0.0.0.0", "::"}, rank
 
+
+def run_start_ray(home: str, tmp: str) -> list[str]:
+    """Start a local Ray the way a pipeline does, in a process of its own with `home` as HOME and `tmp` as TMPDIR,
+    and return its temp directory and RAY_AUTH_MODE."""
+    script = ("import os, ray\nfrom baton.pipelines.ray_start import start_ray\nfrom baton.pipelines.config import TrainerConfig\n"
+              "start_ray(TrainerConfig(num_cpus=1))\n"
+              "print(ray._private.worker._global_node.get_temp_dir_path(), os.environ.get('RAY_AUTH_MODE'))\n"
+              "ray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=home, TMPDIR=tmp)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[-2:]
+
+
+def mode(path: str) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_a_local_ray_started_by_baton_keeps_its_temp_directory_and_token_private():
+    # Short paths: Ray's socket paths under its temp directory must fit a Unix socket address (107 bytes).
+    with tempfile.TemporaryDirectory(prefix="bt") as home, tempfile.TemporaryDirectory(prefix="bt") as tmp:
+        temp_dir, auth_mode = run_start_ray(home, tmp)
+        assert auth_mode == "token"  # Ray's default for a new local instance, kept
+        token = os.path.join(home, ".ray", "auth_token")
+        assert mode(token) == 0o600 and mode(os.path.dirname(token)) == 0o700
+        # Ray makes its own directories 0777; the directory holding them is the user's alone.
+        holder = os.path.dirname(temp_dir)
+        assert temp_dir.startswith(tmp + os.sep) and mode(holder) == 0o700 and os.lstat(holder).st_uid == os.getuid()
+
+
+def test_an_existing_token_is_made_private_and_a_planted_temp_directory_is_refused(tmp_path, monkeypatch):
+    from baton.pipelines.ray_start import keep_auth_token_private, private_temp_dir
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("ab" * 32)
+    token.chmod(0o644)
+    keep_auth_token_private(starts_instance=True)
+    assert mode(str(token)) == 0o600 and token.read_text() == "ab" * 32  # the user's token kept, not replaced
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / f"baton-ray-{os.getuid()}").symlink_to(tmp_path / ".ray")  # planted ahead of the run
+    with pytest.raises(PermissionError, match="set RAY_TMPDIR to a directory of your own"):
+        private_temp_dir()
