@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 from baton import Worker, WorkerConfig, WorkerSpec, create_clusters_parallel, register
-from baton.distributed.rendezvous import find_free_port
+from baton.distributed.rendezvous import LOOPBACK_INTERFACE, find_free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_THIS_MACHINE = "203.0.113.7"  # TEST-NET-3 (RFC 5737): an address no interface here has
@@ -57,7 +57,8 @@ class Rendezvous(Worker):
 
         before = listening_sockets(os.getpid())
         Fsdp2Strategy(StrategyConfig(model="tiny-qwen2"))
-        return {"opened": listening_sockets(os.getpid()) - before, "master": (self.master_addr, self.master_port)}
+        return {"opened": listening_sockets(os.getpid()) - before, "master": (self.master_addr, self.master_port),
+                "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME")}
 
 
 def test_a_free_port_is_found_on_the_address_given():
@@ -88,12 +89,15 @@ def test_the_fsdp2_rendezvous_listens_on_loopback_on_one_node_and_on_the_node_ad
     assert local[0]["opened"]  # rank 0 serves the store
     for rank in local:
         assert rank["opened"] and {address for address, _ in rank["opened"]} == {"127.0.0.1"}, rank
+        # gloo binds the address the host name resolves to unless told the interface (here both are loopback)
+        assert rank["gloo_interface"] == LOOPBACK_INTERFACE
 
     node_address = ray.util.get_node_ip_address()
     assert spread[0]["master"][0] == node_address
     assert (node_address, spread[0]["master"][1]) in spread[0]["opened"]
     for rank in spread:
         assert not {address for address, _ in rank["opened"]} & {"0.0.0.0", "::"}, rank
+        assert rank["gloo_interface"] is None
 
 
 def run_start_ray(home: str, tmp: str) -> list[str]:
