@@ -22,7 +22,11 @@ def master_address(on_one_node: bool) -> tuple[str, int]:
     """Where a cluster whose rank 0 runs in this process meets: loopback when all its ranks run on this node, else
     this node's address; and a port free there."""
     host = LOOPBACK if on_one_node else node_ip_address()
-    return host, find_free_port(host)
+    try:
+        return host, find_free_port(host)
+    except OSError as error:
+        raise OSError(f"this node's address {host} (Ray's node IP) cannot be listened on here ({error}); start Ray on "
+                      "this node with --node-ip-address set to an address of one of its interfaces") from error
 
 
 def node_ip_address() -> str:
