@@ -59,6 +59,7 @@ interpreter start, ~60 ms of CPU with the preloaded modules (`sandbox_child.PREL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -77,6 +78,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from baton.rewards import sandbox_cgroup
 from baton.rewards.registry import register_reward
 
 PASSED, FAILED, TIMEOUT, MEMORY, OUTPUT_LIMIT, ERROR = "passed", "failed", "timeout", "memory", "output_limit", "error"
@@ -91,6 +93,14 @@ _KILL_WAIT_S = 5.0  # for a killed namespace's init to exit; it exits once every
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
 _PYTHON_FENCES = ("python", "python3", "py")
 _slots = threading.BoundedSemaphore(MAX_CONCURRENT_CASES)
+_DIR_PREFIX = "baton-sandbox-"  # then the scorer's pid: a directory whose scorer is gone is swept
+_swept = threading.Lock()
+_swept_pid: int | None = None
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel confines no case's file system here (neither the minimal root nor Landlock) and `allow_weak` is
+    not set."""
 
 
 @dataclass(frozen=True)
@@ -105,12 +115,13 @@ class SandboxLimits:
     max_workdir_bytes: int = 16 * 2**20  # all files together, when root: the working directory is a tmpfs this size
     max_processes: int = 64  # RLIMIT_NPROC for uid `nobody` (when root); see the module docstring
     max_open_files: int = 64  # RLIMIT_NOFILE
+    allow_weak: bool = False  # score even where the kernel confines no file system (rlimits and the hook only)
 
     def __post_init__(self):
         if self.timeout_s <= 0 or self.cpu_time_s < 1:
             raise ValueError(f"the sandbox needs timeout_s > 0 and cpu_time_s >= 1 (whole seconds), got "
                              f"timeout_s={self.timeout_s}, cpu_time_s={self.cpu_time_s}")
-        small = {k: v for k, v in asdict(self).items() if k not in ("timeout_s", "cpu_time_s") and v < 1}
+        small = {k: v for k, v in asdict(self).items() if k not in ("timeout_s", "cpu_time_s", "allow_weak") and v < 1}
         if small:
             raise ValueError(f"sandbox limits must be >= 1, got {small}")
 
@@ -118,13 +129,15 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class CaseResult:
     """One test case's outcome: `status` one of STATUSES, `reason` a line on why it did not pass ("" when it did),
-    its stdout and stderr (decoded, at most max_output_bytes), and its wall-clock duration."""
+    its stdout and stderr (decoded, at most max_output_bytes), its wall-clock duration, and the kernel layers that
+    held for it (of "cgroup", "namespaces", "root", "landlock", "seccomp")."""
 
     status: str
     reason: str
     stdout: str = ""
     stderr: str = ""
     duration_s: float = 0.0
+    layers: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -156,14 +169,33 @@ def parse_tests(label: Any) -> list[str]:
     return list(label)
 
 
-def run_case(code: str, test: str, limits: SandboxLimits = SandboxLimits()) -> CaseResult:
-    """Run `code` then `test` in one sandboxed process (the module docstring says how it is held)."""
+def run_case(code: str, test: str, limits: SandboxLimits = SandboxLimits(), *, _kernel: bool = True) -> CaseResult:
+    """Run `code` then `test` in one sandboxed process (the module docstring says how it is held). Raises
+    SandboxUnavailable where the kernel confines no file system and `limits.allow_weak` is not set. `_kernel=False`
+    (for the benchmark's baseline) leaves out every kernel layer but the rlimits and, as root, the privilege drop."""
+    sweep_stale()
     with _slots:
-        root = tempfile.mkdtemp(prefix="baton-sandbox-")
+        root = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         try:
-            return _run_in(root, code, test, limits)
+            return _run_in(root, code, test, limits, _kernel)
         finally:
             shutil.rmtree(root, onerror=_make_removable)
+
+
+def sweep_stale() -> None:
+    """Once per scoring process: remove the sandbox directories and cgroups of scoring processes that are gone
+    (killed before they could remove them)."""
+    global _swept_pid
+    with _swept:
+        if _swept_pid == os.getpid():
+            return
+        _swept_pid = os.getpid()
+        temp = tempfile.gettempdir()
+        for name in os.listdir(temp):
+            pid = name[len(_DIR_PREFIX):].split("-")[0]
+            if name.startswith(_DIR_PREFIX) and pid.isdigit() and not sandbox_cgroup._alive(int(pid)):
+                shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
+        sandbox_cgroup.sweep_stale()
 
 
 def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits = SandboxLimits(),
@@ -186,11 +218,13 @@ def score_results(results: Sequence[CaseResult], all_or_nothing: bool = False) -
 
 @register_reward("code_sandbox")
 def code_sandbox_reward(response: str, ground_truth: Any, *, all_or_nothing: bool = False, timeout_s: float = 5.0,
-                        memory_mb: int = 512, **fields) -> float:
+                        memory_mb: int = 512, allow_weak: bool = False, **fields) -> float:
     """The fraction of the task's tests (the ground truth: a JSON list of asserts) that the response's code (see
     `extract_code`) passes, each test run in the sandbox; with `all_or_nothing`, 1.0 only when all pass. The
-    keywords set the limits (`timeout_s` also sets the CPU-time limit); a DAG reward node passes them as `kwargs`."""
-    limits = SandboxLimits(timeout_s=timeout_s, cpu_time_s=max(1, math.ceil(timeout_s)), memory_bytes=memory_mb * 2**20)
+    keywords set the limits (`timeout_s` also sets the CPU-time limit; `allow_weak` scores where the kernel confines
+    no file system, which otherwise raises SandboxUnavailable); a DAG reward node passes them as `kwargs`."""
+    limits = SandboxLimits(timeout_s=timeout_s, cpu_time_s=max(1, math.ceil(timeout_s)), memory_bytes=memory_mb * 2**20,
+                           allow_weak=allow_weak)
     return score_results(run_tests(extract_code(response), parse_tests(ground_truth), limits), all_or_nothing)
 
 
@@ -200,19 +234,34 @@ def code_sandbox_all_reward(response: str, ground_truth: Any, **fields) -> float
     return code_sandbox_reward(response, ground_truth, **{**fields, "all_or_nothing": True})
 
 
-def _run_in(root: str, code: str, test: str, limits: SandboxLimits) -> CaseResult:
+def _run_in(root: str, code: str, test: str, limits: SandboxLimits, kernel: bool) -> CaseResult:
     work = os.path.join(root, "work")
     os.mkdir(work, 0o700)
+    os.mkdir(os.path.join(root, "fs"), 0o700)  # where the case mounts its minimal root, in its own namespace
     os.chmod(root, 0o711)  # the case may reach its working directory by absolute path, not list what lies beside it
-    drop_to = (NOBODY, NOBODY) if os.geteuid() == 0 else None
-    if drop_to:
-        os.chown(work, *drop_to)
+    if os.geteuid() == 0:
+        os.chown(work, NOBODY, NOBODY)
+    cgroup = sandbox_cgroup.CaseCgroup(limits.memory_bytes, limits.max_processes) if kernel else None
+    try:
+        result = _run_process(root, work, code, test, limits, kernel, cgroup.procs if cgroup else [])
+        if cgroup and cgroup.oom_killed() and result.status != MEMORY:
+            return dataclasses.replace(result, status=MEMORY, reason=f"the case's processes together passed "
+                                       f"{limits.memory_bytes} bytes and the kernel killed one")
+        return result
+    finally:
+        if cgroup:
+            cgroup.remove()
+
+
+def _run_process(root: str, work: str, code: str, test: str, limits: SandboxLimits, kernel: bool,
+                 cgroup_procs: list[str]) -> CaseResult:
     nonce = secrets.token_hex(16)
     verdict_r, verdict_w = os.pipe()
     payload = os.path.join(root, "payload.json")
     with open(os.open(payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        json.dump({"code": code, "test": test, "nonce": nonce, "verdict_fd": verdict_w, "drop_to": drop_to,
-                   "limits": asdict(limits)}, f)
+        json.dump({"code": code, "test": test, "nonce": nonce, "verdict_fd": verdict_w, "parent_pid": os.getpid(),
+                   "kernel": kernel, "allow_weak": limits.allow_weak, "cgroup_procs": cgroup_procs,
+                   "new_root": os.path.join(root, "fs"), "limits": asdict(limits)}, f)
     env = {"PATH": _ENV_PATH, "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
     start = time.monotonic()
     try:
@@ -231,29 +280,44 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits) -> CaseResul
         _drain({verdict: buffers[verdict]}, outputs, limits.max_output_bytes)
         cpu_time_s = _kill(process, _namespace_init(bytes(buffers[verdict]), nonce, process.pid))
         _drain(buffers, outputs, limits.max_output_bytes)
+    lines = _keyed_lines(bytes(buffers[verdict]), nonce)
+    if "refused" in lines:
+        raise SandboxUnavailable(f"the code sandbox has no kernel confinement of the file system here "
+                                 f"({lines['refused']}); set the reward's allow_weak: true (reward_kwargs) to score "
+                                 f"with rlimits and the audit hook only")
     if ended == "exited" and _size(outputs) > limits.max_output_bytes:
         ended = "output"
     stdout, stderr = (outputs[s][:limits.max_output_bytes].decode(errors="replace")
                       for s in (process.stdout, process.stderr))
-    status, reason = _verdict(ended, bytes(buffers[verdict]), nonce, process.returncode, cpu_time_s, limits)
-    return CaseResult(status, reason, stdout, stderr, time.monotonic() - start)
+    status, reason = _verdict(ended, lines, process.returncode, cpu_time_s, limits)
+    layers = tuple(lines.get("layers", "").split(",")) if lines.get("layers") else ()
+    return CaseResult(status, reason, stdout, stderr, time.monotonic() - start, layers)
+
+
+def _keyed_lines(verdict: bytes, nonce: str) -> dict[str, str]:
+    """The child's lines keyed with `nonce`, `<nonce> <kind> <rest>`, as {kind: rest} (the first of each kind)."""
+    lines = {}
+    for line in verdict.decode(errors="replace").splitlines():
+        key, _, rest = line.partition(" ")
+        kind, _, rest = rest.partition(" ")
+        if key == nonce:
+            lines.setdefault(kind, rest)
+    return lines
 
 
 def _namespace_init(verdict: bytes, nonce: str, parent_pid: int) -> int | None:
     """A pidfd of the case's PID-namespace init, as the child announced its pid, while it is still the child of
     `parent_pid`; None without a namespace, or once the init is gone (and with it the namespace)."""
-    for line in verdict.decode(errors="replace").splitlines():
-        key, _, rest = line.partition(" ")
-        kind, _, pid = rest.partition(" ")
-        if key == nonce and kind == "init" and pid.isdigit():
-            try:
-                pidfd = os.pidfd_open(int(pid))
-            except ProcessLookupError:
-                return None
-            if _parent_pid(int(pid)) == parent_pid:  # not a process that took the pid after the init left it
-                return pidfd
-            os.close(pidfd)
-            return None
+    pid = _keyed_lines(verdict, nonce).get("init", "")
+    if not pid.isdigit():
+        return None
+    try:
+        pidfd = os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        return None
+    if _parent_pid(int(pid)) == parent_pid:  # not a process that took the pid after the init left it
+        return pidfd
+    os.close(pidfd)
     return None
 
 
@@ -276,6 +340,11 @@ def _kill(process: subprocess.Popen, init: int | None) -> float:
                 select.select([init], [], [], _KILL_WAIT_S)
             except ProcessLookupError:  # exited between the two
                 pass
+            outer = os.pidfd_open(process.pid)  # it reaps the init, then exits: killed first, it would leave a
+            try:  # zombie for the machine's init, which may never reap it
+                select.select([outer], [], [], _KILL_WAIT_S)
+            finally:
+                os.close(outer)
     finally:
         if init is not None:
             os.close(init)
@@ -332,17 +401,15 @@ def _drain(buffers: dict, outputs: dict, max_output_bytes: int) -> None:
             pass
 
 
-def _verdict(ended: str, verdict: bytes, nonce: str, returncode: int, cpu_time_s: float,
+def _verdict(ended: str, lines: dict[str, str], returncode: int, cpu_time_s: float,
              limits: SandboxLimits) -> tuple[str, str]:
     if ended == "output":
         return OUTPUT_LIMIT, f"wrote more than {limits.max_output_bytes} bytes to stdout and stderr"
     if ended == "timeout":
         return TIMEOUT, f"ran past the wall-clock limit of {limits.timeout_s} s and was killed"
-    for line in verdict.decode(errors="replace").splitlines():
-        key, _, rest = line.partition(" ")
-        status, _, reason = rest.partition(" ")
-        if key == nonce and status in STATUSES:
-            return status, reason
+    for status in STATUSES:
+        if status in lines:
+            return status, lines[status]
     # SIGXCPU at the soft limit, or SIGKILL at the hard one: a namespace's init ignores SIGXCPU
     if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or cpu_time_s >= limits.cpu_time_s:
         return TIMEOUT, f"ran past the CPU-time limit of {limits.cpu_time_s} s and was killed"
