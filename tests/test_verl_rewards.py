@@ -12,8 +12,8 @@ import torch
 from baton.config import ConfigError, load_config
 from baton.distributed import Cluster, WorkerConfig, WorkerSpec
 from baton.pipelines.config import OverlongBufferConfig, RewardSettings, RLVRConfig, SFTConfig
-from baton.rewards import (RewardError, RewardRoutes, ScoringPool, math_reward, math_verify_reward, overlong_penalty,
-                           score_rows, uses_verl_signature)
+from baton.rewards import (RewardError, RewardRoutes, ScoringPool, ScoringProcessError, math_reward, math_verify_reward,
+                           overlong_penalty, score_rows, uses_verl_signature)
 from baton.workers import RewardWorker
 from test_data_validation import response_batch
 from test_pipeline_paths import metrics_of
@@ -314,7 +314,9 @@ def test_an_error_raised_in_a_process_and_a_process_that_dies_are_row_errors(poo
     pool = pool_of("poolrewards:raises_on_x")
     with pytest.raises(RewardError, match=r"raised ValueError: no x here\n  on row 1") as info:
         score_rows("poolrewards:raises_on_x", ["a", "x"], ["", ""], {}, pool=pool)
-    assert isinstance(info.value.__cause__, ValueError)
+    cause = info.value.__cause__  # the exception as text: the parent unpickles nothing a reward made
+    assert isinstance(cause, ScoringProcessError) and cause.type_name == "ValueError"
+    assert 'raise ValueError("no x here")' in "".join(cause.__notes__)
     result = score_rows("poolrewards:exits_on_boom", ["a", "boom", "b"], ["", "", ""], {}, "zero",
                         pool_of("poolrewards:exits_on_boom"))
     assert result.scores == [1.0, 0.0, 1.0] and (result.num_errors, result.num_timeouts) == (1, 0)

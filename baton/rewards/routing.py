@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from baton.rewards.registry import RewardFn, get_reward_fn
+from baton.rewards.registry import RewardFn, get_reward_fn, is_slow
 
 DEFAULT_ROUTE = "default"  # the mapping's entry for rows whose data_source has no entry of its own
 DATA_SOURCE = "data_source"  # the column that routes a row (verl's reward_fn_key)
@@ -28,60 +28,137 @@ def uses_verl_signature(fn: RewardFn) -> bool:
 
 @dataclass(frozen=True)
 class Reward:
-    """One reward function and how it is called on a row.
+    """One reward function, its settings from the config (`kwargs`, the config's `reward_kwargs`), and how it is
+    called on a row.
 
-    baton's convention: `fn(response, ground_truth, **fields)`, every non-tensor column of the row by keyword.
+    baton's convention: `fn(response, ground_truth, **fields, **kwargs)`, every non-tensor column of the row by
+    keyword. A parameter with a default (`format`'s `pattern`) is a setting: `kwargs` may set it, a row never does
+    (a column of its name is refused, `check_columns`); a parameter without one takes the column of its name.
     verl's (`uses_verl_signature`: parameters named data_source and solution_str): `fn(data_source=...,
-    solution_str=response, ground_truth=..., extra_info=...)`, those four keywords only, as verl's reward managers
-    call `compute_score`: data_source is the row's `data_source` ("unknown" without that column, verl validation's
-    name), extra_info a copy of its `extra_info` ({} without it, as verl's managers default it)."""
+    solution_str=response, ground_truth=..., extra_info=..., **kwargs)`, as verl's reward managers call
+    `compute_score` with its `reward_kwargs`: data_source is the row's `data_source` ("unknown" without that
+    column, verl validation's name), extra_info a copy of its `extra_info` ({} without it, as verl's managers
+    default it)."""
 
     name: str
     fn: RewardFn
     verl_style: bool
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    settings: frozenset[str] = frozenset()  # the keyword parameters no row may set (see above)
+    slow: bool = False  # registered with slow=True: scored in processes with a time limit by default
 
     @classmethod
-    def load(cls, name: str) -> "Reward":
+    def load(cls, name: str, kwargs: Mapping[str, Any] | None = None) -> "Reward":
+        """The reward `name` with the settings `kwargs`; ValueError naming a setting the function does not take."""
         fn = get_reward_fn(name)
-        return cls(name, fn, uses_verl_signature(fn))
+        verl_style, kwargs = uses_verl_signature(fn), dict(kwargs or {})
+        _check_kwargs(fn, name, kwargs, verl_style)
+        # verl's convention passes a row's fields inside extra_info, never as keywords: none can set a parameter
+        settings = frozenset() if verl_style else frozenset(kwargs) | _defaulted_params(fn)
+        return cls(name, fn, verl_style, kwargs, settings, is_slow(fn))
 
     def __call__(self, response: str, ground_truth: Any, fields: Mapping[str, Any]) -> Any:
         if self.verl_style:
             extra_info = fields.get("extra_info")
             extra_info = {} if extra_info is None else dict(extra_info) if isinstance(extra_info, Mapping) else extra_info
             return self.fn(data_source=fields.get(DATA_SOURCE, UNKNOWN_DATA_SOURCE), solution_str=response,
-                           ground_truth=ground_truth, extra_info=extra_info)  # a copy: verl's functions may add keys
-        return self.fn(response, ground_truth, **fields)
+                           ground_truth=ground_truth, extra_info=extra_info,  # a copy: verl's functions may add keys
+                           **self.kwargs)
+        taken = self.settings & fields.keys()
+        if taken:
+            raise ValueError(self._setting_error(min(taken)))
+        return self.fn(response, ground_truth, **fields, **self.kwargs)
 
     def check_columns(self, columns) -> None:
-        """Raise ValueError unless this function binds the batch's non-tensor `columns` (see `check_reward_columns`);
-        a verl-style function takes verl's four keywords only and needs no more."""
+        """Raise ValueError unless this function binds the batch's non-tensor `columns` (see `check_reward_columns`)
+        and none of them is one of its settings; a verl-style function takes verl's four keywords only and needs no
+        more."""
         if self.verl_style:
             _check_verl_params(self.fn, self.name)
-        else:
-            check_reward_columns(self.fn, self.name, columns)
+            return
+        taken = self.settings & set(columns)
+        if taken:
+            raise ValueError(self._setting_error(min(taken)))
+        check_reward_columns(self.fn, self.name, set(columns) | set(self.kwargs))
+
+    def _setting_error(self, column: str) -> str:
+        return setting_collision(self.name, column)
+
+
+def setting_collision(reward: str, column: str) -> str:
+    """The message for a data field named like one of reward `reward`'s settings."""
+    return (f"the data field {column!r} has the name of reward function {reward!r}'s keyword parameter {column!r}, "
+            "which rows may not set; rename the field, or set the value for every row in reward_kwargs")
+
+
+def _defaulted_params(fn: RewardFn) -> frozenset[str]:
+    """The keyword parameters of a baton-convention `fn` that have a default (its settings), past the two that take
+    the response and the ground truth."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): nothing to protect
+        return frozenset()
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [p for p in named if p.kind == p.POSITIONAL_OR_KEYWORD][:2]
+    return frozenset(p.name for p in named if p not in positional and p.default is not p.empty)
+
+
+def _check_kwargs(fn: RewardFn, name: str, kwargs: Mapping[str, Any], verl_style: bool) -> None:
+    if not kwargs:
+        return
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: the call itself will tell
+        return
+    reserved = set(VERL_PARAMS) if verl_style else {p.name for p in list(params.values())[:2]}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    named = {p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for key in kwargs:
+        if key in reserved:
+            raise ValueError(f"reward_kwargs {key!r}: reward function {name!r} gets {key!r} from each row, not from "
+                             "the config; remove it from reward_kwargs")
+        if key not in named and not takes_any:
+            raise ValueError(f"reward_kwargs {key!r}: reward function {name!r} takes no parameter {key!r} (it takes "
+                             f"{sorted(named - reserved)}); remove it, or add the parameter")
 
 
 class RewardRoutes:
     """`reward_fn` resolved: one `Reward` for every row, or, from a mapping {data_source: reward}, the entry of the
     row's `data_source`, else the "default" entry; a row matching neither is a ValueError naming its source and the
-    known ones. Import paths resolve as `get_reward_fn` resolves them (ValueError when one cannot)."""
+    known ones. Import paths resolve as `get_reward_fn` resolves them (ValueError when one cannot).
 
-    def __init__(self, spec: str | Mapping[str, str]):
-        self.spec = spec
+    kwargs (the config's `reward_kwargs`): the settings each function is called with: for one reward, {name: value};
+    for a mapping, {entry: {name: value}} with the mapping's own entries (data sources, "default") as keys, so that
+    one function may serve two sources with different settings."""
+
+    def __init__(self, spec: str | Mapping[str, str], kwargs: Mapping[str, Any] | None = None):
+        self.spec, self.kwargs = spec, dict(kwargs or {})
         if isinstance(spec, str):
-            self.rewards = {DEFAULT_ROUTE: Reward.load(spec)}
+            self.rewards = {DEFAULT_ROUTE: Reward.load(spec, self.kwargs)}
             return
         if not spec:
             raise ValueError("the mapping from data_source to reward is empty; give one entry per data source (and "
                              f"{DEFAULT_ROUTE!r} for the others), or a single reward name")
+        unknown = sorted(map(str, self.kwargs.keys() - spec.keys()))
+        if unknown:
+            raise ValueError(f"reward_kwargs {unknown[0]!r} is not an entry of reward_fn {sorted(map(str, spec))}: "
+                             "with a mapping from data_source to reward, reward_kwargs maps those entries to their "
+                             "settings ({entry: {name: value}})")
         rewards = {}
         for source, name in spec.items():
+            settings = self.kwargs.get(source) or {}
+            if not isinstance(settings, Mapping):
+                raise ValueError(f"reward_kwargs {source!r} is {settings!r}; each entry is a mapping {{name: value}}")
             try:
-                rewards[source] = Reward.load(name)
+                rewards[source] = Reward.load(name, settings)
             except ValueError as e:
                 raise ValueError(f"entry {source!r}: {e}") from e
         self.rewards = rewards
+
+    @property
+    def slow(self) -> bool:
+        """Whether any of the functions was registered slow (`register_reward(..., slow=True)`)."""
+        return any(reward.slow for reward in self.rewards.values())
 
     @property
     def routed(self) -> bool:

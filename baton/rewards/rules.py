@@ -9,6 +9,11 @@ from fractions import Fraction
 from baton.rewards.registry import register_reward
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# Numbers past these bounds are compared as text: a model's "1e99999999" would otherwise hold the interpreter for
+# minutes building 10**99999999, and a result past Python's 4300-digit int-to-str limit raises.
+MAX_NUMBER_DIGITS = 1000
+MAX_NUMBER_EXPONENT = 1000
+_EXPONENT = re.compile(r"[eE]([+-]?\d+)")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -35,14 +40,20 @@ def extract_answer(text: str) -> str | None:
 
 def normalize_answer(answer: str) -> str:
     """Canonical form: numbers as reduced fractions/integers ("1,000" = "1000.0" = "2000/2"), else
-    lower-case text without spaces, `$` or a trailing period."""
+    lower-case text without spaces, `$` or a trailing period. A number with more than MAX_NUMBER_DIGITS digits or
+    an exponent beyond MAX_NUMBER_EXPONENT stays text (it matches only the same text)."""
     text = answer.strip().strip("$").rstrip(".").replace(" ", "")
     text = re.sub(r"^\\text\{(.*)\}$", r"\1", text)
+    number = text.replace(",", "")
     try:
-        value = Fraction(text.replace(",", ""))
+        exponent = _EXPONENT.search(number)
+        if sum(c.isdigit() for c in number) > MAX_NUMBER_DIGITS or (
+                exponent is not None and abs(int(exponent.group(1))) > MAX_NUMBER_EXPONENT):
+            raise ValueError("too large to compare as a number")
+        value = Fraction(number)
+        return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
     except (ValueError, ZeroDivisionError):
         return text.lower()
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
 @register_reward("math")

@@ -9,7 +9,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from baton.rewards.pool import Outcome, ScoringPool, Task
+from baton.rewards.pool import Outcome, ScoringPool, ScoringProcessError, Task
 from baton.rewards.routing import DATA_SOURCE, RewardRoutes
 
 REWARD_ON_ERROR = ("raise", "zero")  # what score_rows does when the function raises on a row
@@ -48,13 +48,16 @@ def score_rows(rewards: RewardRoutes | str | Mapping[str, str], responses: Seque
     convention, `fn(responses[row], ground_truths[row], **{k: v[row] for k, v in columns.items()})`, or, for a
     function with parameters named `data_source` and `solution_str`, in verl's (`fn(data_source=, solution_str=,
     ground_truth=, extra_info=)`, see `routing.Reward`). In this process, one row after another, or with `pool` in its processes,
-    concurrently, each row cut off after the pool's timeout_s_per_row.
+    concurrently, each row cut off after the pool's timeout_s_per_row (see `scoring_pool` for when baton uses one by
+    default). `rewards` given as a name or mapping is called without settings: pass `RewardRoutes(spec, kwargs)`
+    for the config's reward_kwargs.
 
     A function returns a number (the score), or, as verl's compute_score may, a dict with the score under "score",
     further numeric fields (reward components, diagnostics) and maybe "pred", the extracted answer as a string.
     Each function must return the same fields on every row. A row a function raises on or runs out of time on: with
     on_error "raise", a RewardError naming the function, the row and the error; with "zero", a score (and extras) of
-    0.0, counted in num_errors (and num_timeouts). A value that is not a finite number, or a dict without "score" or
+    0.0, counted in num_errors (and num_timeouts); a pool with on_timeout "zero" scores its timed-out rows so under
+    either. A value that is not a finite number, or a dict without "score" or
     without a field the function returned on other rows, is a bug in the function: a RewardError either way.
     """
     if on_error not in REWARD_ON_ERROR:
@@ -74,10 +77,11 @@ def score_rows(rewards: RewardRoutes | str | Mapping[str, str], responses: Seque
     row_fields: list[dict[str, Any] | None] = []  # each row's further fields; None for a row scored 0 on error
     first_rows: dict[str, int] = {}  # route -> the row whose fields that function's other rows must match
     num_errors = num_timeouts = 0
+    on_timeout = (pool.on_timeout if pool is not None else None) or on_error
     for row, ((key, response, truth, fields), outcome) in enumerate(zip(tasks, outcomes)):
         name = routes.rewards[key].name
         if outcome.timed_out or outcome.error is not None:
-            if on_error == "raise":
+            if (on_timeout if outcome.timed_out else on_error) == "raise":
                 raise _row_error(name, row, response, truth, fields, outcome, pool)
             num_errors += 1
             num_timeouts += outcome.timed_out
@@ -85,6 +89,8 @@ def score_rows(rewards: RewardRoutes | str | Mapping[str, str], responses: Seque
             row_fields.append(None)
             continue
         try:
+            if outcome.invalid is not None:
+                raise ValueError(outcome.invalid)
             score, extra = _split(outcome.value)
             first = first_rows.setdefault(key, row)
             _check_same_fields(extra, row, row_fields[first] if first != row else extra, first)
@@ -115,11 +121,19 @@ def _row_error(name: str, row: int, response: str, truth: Any, fields: dict, out
             f"scoring process was killed\n{where}\nMake the function faster, raise reward.timeout_s_per_row, or score "
             "such rows 0 (counted as reward/num_errors and reward/num_timeouts) with reward_on_error: zero")
     e = outcome.error
-    error = RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}\n{where}\n"
+    kind = e.type_name if isinstance(e, ScoringProcessError) else type(e).__name__
+    error = RewardError(f"reward function {name!r} raised {kind}: {e}\n{where}\n"
                         "Fix the function, or score the rows it raises on 0 (counted as reward/num_errors) with "
                         "reward_on_error: zero")
     error.__cause__ = e
     return error
+
+
+def check_value(value: Any) -> float | dict[str, Any]:
+    """What a reward function returned, as plain data: a float, or a dict of the score and further fields (floats,
+    "pred" a string or None); ValueError says why it is not a reward. What a scoring process sends back."""
+    score, extra = _split(value)
+    return {"score": score, **extra} if isinstance(value, dict) else score
 
 
 def _split(value: Any) -> tuple[float, dict[str, Any]]:
@@ -145,7 +159,11 @@ def _pred(value: Any) -> str | None:
 
 
 def _finite(value: Any, what: str) -> float:
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+    try:
+        finite = isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
         raise ValueError(f"{what} {_SHORT.repr(value)} (a {type(value).__name__}); a reward must be a finite number "
                          "(a float), or a dict of them with the reward under 'score' (and a string 'pred')")
     return float(value)

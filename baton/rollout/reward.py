@@ -1,7 +1,7 @@
 """Rewarding a group of samples in the rollout system: the pipeline's `reward_fn` (the reward registry's convention,
-scored by `score_rows`, in processes of their own with a per-row time limit when asked) or a custom per-sample
-function by import path (slime's `custom_rm_path`). Scoring runs off the event loop, so a slow reward never holds
-generation; a group is waited on at most `timeout_s`."""
+scored by `score_rows`, in processes of their own whenever a time limit applies, so that a row holding the
+interpreter cannot freeze the driver) or a custom per-sample function by import path (slime's `custom_rm_path`).
+Scoring runs off the event loop, so a slow reward never holds generation; a group is waited on at most `timeout_s`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import inspect
 import threading
 from typing import Any, Callable, Mapping
 
-from baton.rewards import PRED, RewardError, ScoringPool, overlong_penalty, score_rows
+from baton.rewards import PRED, RewardError, RewardRoutes, overlong_penalty, score_rows, scoring_pool
 from baton.rollout.sample import Sample
 
 
@@ -45,11 +45,15 @@ class GroupRewarder:
     """Sets `sample.reward` on every sample of a group.
 
     reward_fn: a reward registry name or import path, or {data_source: reward} (see `baton.rewards.RewardRoutes`),
-        called as the reward worker calls it: `fn(response, label, prompt=..., **metadata)`; a number, or a dict
-        with "score" and further numeric fields (and "pred"), which the sample keeps as its reward dict.
-    custom: `fn(args, sample) -> float | dict`, plain or a coroutine function, instead of reward_fn.
+        called as the reward worker calls it: `fn(response, label, prompt=..., **metadata, **reward_kwargs)`; a
+        number, or a dict with "score" and further numeric fields (and "pred"), which the sample keeps as its
+        reward dict. reward_kwargs: its settings (the config's); no metadata field may name one.
+    custom: `fn(args, sample) -> float | dict`, plain or a coroutine function, instead of reward_fn; run in a thread
+        of this process (the user's own code, trusted to return).
     num_processes / timeout_s_per_row: reward_fn scored in that many processes, a row past the limit killed and
-        handled by `on_error` (as the reward workers do); 0 processes: in a thread of this process.
+        handled by `on_error` (as the reward workers do). Without them, reward_fn is scored in one process of its
+        own whenever a limit applies (`baton.rewards.scoring_pool`): a slow reward's default, or else `timeout_s`
+        per row, a row past it scored 0 and counted; with no limit at all, in a thread of this process.
     overlong: (max_response_len, buffer_len, penalty_factor): DAPO's soft overlong penalty added to the score of
         training samples (not of a context with `evaluation` set), with verl's `overlong_reward` and `overlong`
         fields, as the reward workers add it (`overlong_buffer`); None: none.
@@ -57,10 +61,13 @@ class GroupRewarder:
 
     def __init__(self, reward_fn: str | Mapping[str, str], *, on_error: str = "raise", num_processes: int = 0,
                  timeout_s_per_row: float | None = None, custom: Callable | None = None,
-                 timeout_s: float | None = 60.0, overlong: tuple[int, int, float] | None = None):
-        self.reward_fn, self.on_error, self.custom, self.timeout_s = reward_fn, on_error, custom, timeout_s
+                 timeout_s: float | None = 60.0, overlong: tuple[int, int, float] | None = None,
+                 reward_kwargs: Mapping[str, Any] | None = None):
+        self.on_error, self.custom, self.timeout_s = on_error, custom, timeout_s
+        self.routes = RewardRoutes(reward_fn, reward_kwargs)
         self.overlong = overlong
-        self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes and custom is None else None
+        self.pool = (scoring_pool(self.routes, num_processes, timeout_s_per_row, fallback_timeout_s=timeout_s)
+                     if custom is None else None)
         self._pool_lock = threading.Lock()  # the scoring pool serves one group at a time
         self.num_errors = self.num_timeouts = 0  # rows scored 0 by reward_on_error "zero", timeouts among them
         self._reported = (0, 0)  # (num_errors, num_timeouts) already reported, or left out (`uncounted`)
@@ -95,7 +102,7 @@ class GroupRewarder:
         keys = set.intersection(*(set(s.metadata) for s in group)) - {"prompt"}
         columns = {"prompt": [s.prompt for s in group], **{k: [s.metadata[k] for s in group] for k in sorted(keys)}}
         with self._pool_lock if self.pool is not None else contextlib.nullcontext():
-            return score_rows(self.reward_fn, [s.response for s in group], [s.label for s in group], columns,
+            return score_rows(self.routes, [s.response for s in group], [s.label for s in group], columns,
                               self.on_error, self.pool)
 
     @contextlib.contextmanager

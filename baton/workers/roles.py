@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -11,8 +11,8 @@ from baton.data import DataProto
 from baton.distributed import Worker, register, register_dispatch_mode
 from baton.distributed.dispatch import Dispatch, split_dp_args
 from baton.models import load_tokenizer
-from baton.rewards import (PRED, REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, RewardRoutes, ScoringPool,
-                           overlong_penalty, score_rows)
+from baton.rewards import (PRED, REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, RewardRoutes, overlong_penalty,
+                           score_rows, scoring_pool)
 from baton.strategy import LossFn, SamplingParams, StrategyConfig
 from baton.strategy.capabilities import backends_that, capabilities
 from baton.strategy.logprobs import sampling_temperature
@@ -128,7 +128,9 @@ class RewardWorker(Worker):
 
     Reads `responses`, `response_mask` and the non-tensor `ground_truth` column; every other non-tensor column is
     passed to the function as a keyword argument (a function with verl's `compute_score(data_source, solution_str,
-    ground_truth, extra_info)` signature gets those four instead, as verl passes them).
+    ground_truth, extra_info)` signature gets those four instead, as verl passes them). reward_kwargs: the
+    functions' settings (the config's `reward_kwargs`, see `RewardRoutes`); a column named like a setting is an
+    error, never a setting.
 
     on_error: a row the function raises on stops the run with a RewardError naming the function and the row
     ("raise"), or scores 0 ("zero"); `compute_rewards` counts those rows in meta_info["metrics"]["reward/num_errors"].
@@ -137,7 +139,8 @@ class RewardWorker(Worker):
     num_processes: 0 scores the rows one after another in this process; more scores them concurrently in that many
     processes of their own (`baton.rewards.ScoringPool`), where a row running past `timeout_s_per_row` (None: no
     limit) is cut off (its process killed) and treated like a row the function raised on (counted in
-    "reward/num_timeouts" too).
+    "reward/num_timeouts" too). A slow reward (math_verify) is scored in processes with a limit by default (see
+    `baton.rewards.scoring_pool`).
 
     overlong_buffer_len > 0: DAPO's soft overlong penalty (`baton.rewards.overlong_penalty`, with `max_response_len`
     the sampling limit) is added to the score of the batches `compute_rewards` is asked to penalise.
@@ -145,7 +148,8 @@ class RewardWorker(Worker):
 
     def __init__(self, reward_fn: str | Mapping[str, str], tokenizer: str | None = None, on_error: str = "raise",
                  num_processes: int = 0, timeout_s_per_row: float | None = None, max_response_len: int | None = None,
-                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0):
+                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0,
+                 reward_kwargs: Mapping[str, Any] | None = None):
         if on_error not in REWARD_ON_ERROR:
             raise ValueError(f"on_error {on_error!r} is not one of {REWARD_ON_ERROR}")
         if timeout_s_per_row is not None and num_processes < 1:
@@ -155,8 +159,8 @@ class RewardWorker(Worker):
             raise ValueError(f"overlong_buffer_len={overlong_buffer_len} needs a max_response_len above it, got "
                              f"{max_response_len}")
         self.on_error = on_error
-        self.routes = RewardRoutes(reward_fn)
-        self.pool = ScoringPool(reward_fn, num_processes, timeout_s_per_row) if num_processes else None
+        self.routes = RewardRoutes(reward_fn, reward_kwargs)
+        self.pool = scoring_pool(self.routes, num_processes, timeout_s_per_row)
         self.max_response_len = max_response_len
         self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
         self.tokenizer = load_tokenizer(tokenizer)
