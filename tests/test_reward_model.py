@@ -60,11 +60,12 @@ def test_the_scalar_reward_model_scores_each_response_at_its_last_token():
 def test_the_judge_renders_the_template_answers_greedily_and_parses():
     batch, tokenizer = generated_batch(num_prompts=2, n=1)
     judge = JudgeWorker(StrategyConfig(model="tiny-qwen2", seed=1), "Q{prompt}A{response}T{ground_truth}=",
-                        f"{THIS}:length_score", max_new_tokens=3)
+                        f"{THIS}:length_score", max_new_tokens=3, max_score=100.0)
     texts = judge.render(batch)
     responses = tokenizer.batch_decode(batch.batch["responses"] * batch.batch["response_mask"], skip_special_tokens=True)
-    assert texts == [f"Q{p}A{r}T{t}=" for p, r, t in zip(batch.non_tensor_batch["prompt"], responses,
-                                                          batch.non_tensor_batch["ground_truth"])]
+    boundary = texts[0].split("<response ", 1)[1].split(">", 1)[0]  # random, one per call
+    assert texts == [f"Q{p}A<response {boundary}>\n{r}\n</response {boundary}>T{t}="
+                     for p, r, t in zip(batch.non_tensor_batch["prompt"], responses, batch.non_tensor_batch["ground_truth"])]
     JUDGED.clear()
     scored = judge.score(batch)
     assert list(scored.non_tensor_batch["judge_answer"]) == JUDGED and len(JUDGED) == 2
@@ -73,7 +74,7 @@ def test_the_judge_renders_the_template_answers_greedily_and_parses():
     unparsed = JudgeWorker(StrategyConfig(model="tiny-qwen2", seed=1), "{response}", f"{THIS}:never_parses", 3)
     result = unparsed.score(batch)
     assert result.batch["rm_scores"].tolist() == [0.0, 0.0] and result.meta_info["metrics"] == {
-        "reward_model/num_unparsed": 2}
+        "reward_model/num_unparsed": 2, "reward_model/judge/num_unparsed": 2, "reward_model/judge/num_out_of_range": 0}
 
 
 def never_parses(text: str) -> float:
@@ -97,7 +98,7 @@ def test_rlvr_trains_on_the_reward_function_plus_the_weighted_model_score(tmp_pa
     else:
         config = tiny(tmp_path, RoleConfig(strategy=StrategyConfig(model="tiny-qwen2")),
                       RewardModelSettings(type="generative", weight=0.5, parse_fn=f"{THIS}:length_score",
-                                          max_new_tokens=2))
+                                          max_new_tokens=2, max_score=100.0))
     run_pipeline(RLVRPipeline, config)
     records = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
     last = records[-1]

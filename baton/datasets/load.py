@@ -7,14 +7,16 @@ from baton.datasets.arithmetic import arithmetic_splits
 from baton.datasets.config import DataConfig
 from baton.datasets.prompts import PromptDataset
 from baton.models import load_tokenizer
+from baton.rewards.routing import RewardRoutes
 
 
-def load_datasets(config: DataConfig, tokenizer_path: str | None):
+def load_datasets(config: DataConfig, tokenizer_path: str | None, rewards: RewardRoutes | None = None):
     """(train, val, tokenizer): the arithmetic task's fixed split, or the configured files.
 
     Every row is checked here (see `PromptDataset`), chat prompts are rendered with the tokenizer's chat template,
     and every prompt's length in tokens (the rendered text's) is checked against `data.max_prompt_len`
-    (`data.overlong_prompts`); bad data raises DataError naming the file and row.
+    (`data.overlong_prompts`); with `rewards` (the run's reward_fn and reward_kwargs), no field may be named like a
+    setting of theirs (`PromptDataset.check_reward_settings`); bad data raises DataError naming the file and row.
     """
     tokenizer = load_tokenizer(tokenizer_path)
     if config.task == "arithmetic":
@@ -23,15 +25,18 @@ def load_datasets(config: DataConfig, tokenizer_path: str | None):
         train, val = (data.check_prompt_lengths(tokenizer, config.max_prompt_len, config.overlong_prompts)
                       for data in (train, val))
     else:
-        train = load_prompt_file(config, config.train_path, tokenizer)
-        val = load_prompt_file(config, config.val_path, tokenizer) if config.val_path else None
+        train = load_prompt_file(config, config.train_path, tokenizer, rewards)
+        val = load_prompt_file(config, config.val_path, tokenizer, rewards) if config.val_path else None
     return train, val, tokenizer
 
 
-def load_prompt_file(config: DataConfig, path: str, tokenizer) -> PromptDataset:
-    """The prompt file `path` with `config`'s keys, checked, its chat prompts rendered by `tokenizer`'s chat template
-    (`PromptDataset.render_chat`), its over-long prompts handled by `data.overlong_prompts`. A relative path not
-    found in the working directory is read from the config file's directory."""
+def load_prompt_file(config: DataConfig, path: str, tokenizer, rewards: RewardRoutes | None = None) -> PromptDataset:
+    """The prompt file `path` with `config`'s keys, checked (against `rewards`' settings too, see `load_datasets`),
+    its chat prompts rendered by `tokenizer`'s chat template (`PromptDataset.render_chat`), its over-long prompts
+    handled by `data.overlong_prompts`. A relative path not found in the working directory is read from the config
+    file's directory."""
     dataset = PromptDataset.from_file(find_file(path), config.prompt_key, config.answer_key, config.response_key)
+    if rewards is not None:
+        dataset = dataset.check_reward_settings(rewards)
     dataset = dataset.render_chat(tokenizer)
     return dataset.check_prompt_lengths(tokenizer, config.max_prompt_len, config.overlong_prompts)

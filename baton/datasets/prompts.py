@@ -16,6 +16,7 @@ import torch
 from baton.data import DataProto
 from baton.datasets.files import DataError, read_rows
 from baton.rewards.routing import DATA_SOURCE, UNKNOWN_DATA_SOURCE  # verl's field naming each row's source, and its default
+from baton.rewards.routing import RewardRoutes, setting_collision
 
 # The columns baton writes into a batch beside a dataset's own fields, and the reward function's arguments: a data
 # field of one of these names would overwrite baton's column (or clash with the argument), so it is an error when
@@ -135,6 +136,19 @@ class PromptDataset:
             return (f"the answer {answer_key!r} is {_describe(answer)}; it must be a string or a number "
                     f"(the reward gets it as text){hint}")
         return None
+
+    def check_reward_settings(self, rewards: RewardRoutes) -> "PromptDataset":
+        """This dataset, unless one of its fields is named like a setting of one of `rewards`' functions (a keyword
+        parameter with a default, or a reward_kwargs key), which a row would set: DataError naming the file, the
+        first row with that field, and the fix."""
+        fields = set(self.extra_fields)
+        for reward in rewards.rewards.values():
+            taken = reward.settings & fields
+            if taken:
+                name = min(taken)
+                index = next(i for i, example in enumerate(self.examples) if name in example)
+                raise DataError(f"{self.where(index)}: {setting_collision(reward.name, name)}")
+        return self
 
     def render_chat(self, tokenizer) -> "PromptDataset":
         """This dataset when every prompt is text. Otherwise the dataset with each chat prompt replaced by its text,

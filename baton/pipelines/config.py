@@ -10,6 +10,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton.config import ConfigError
 from baton.datasets.config import DataConfig
@@ -128,6 +129,10 @@ class SamplingConfig:
     max_new_tokens: int = 8
     num_samples_per_prompt: int = 8
 
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0: greedy)")
+
     def params(self, seed: int | None = None) -> SamplingParams:
         """These settings as the strategies' `SamplingParams` (seed None: the rollout's own generator)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -185,13 +190,20 @@ class RewardModelSettings:
     """How the `reward_model` role scores: "scalar" (a value-head model, strategy kind value: its value at the
     response's last token) or "generative" (a causal LM judge: `template` with {prompt}, {response} and
     {ground_truth}, answered greedily in at most `max_new_tokens`, parsed by `parse_fn`, an import path
-    `fn(text) -> float`). The step's score is the reward function's plus `weight` × the model's."""
+    `fn(text) -> float`). The step's score is the reward function's plus `weight` × the model's.
+
+    The judge sees the response cut to its first `max_response_chars` characters and fenced between two lines that
+    hold a random boundary, new for every call; an answer outside [min_score, max_score] counts as unparsed (scored
+    0, counted in reward_model/judge/num_unparsed and num_out_of_range)."""
 
     type: str = "scalar"
     weight: float = 1.0
     template: str = "Question: {prompt}\nAnswer: {response}\nScore (0 to 1): "
     parse_fn: str = "baton.workers.reward_model:first_number"
     max_new_tokens: int = 4
+    min_score: float = 0.0
+    max_score: float = 1.0
+    max_response_chars: int = 8000
 
     def __post_init__(self):
         if self.type not in ("scalar", "generative"):
@@ -200,6 +212,11 @@ class RewardModelSettings:
             raise ValueError(f"reward_model_settings.weight={self.weight} must be a finite number")
         if self.max_new_tokens < 1:
             raise ValueError(f"reward_model_settings.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not (math.isfinite(self.min_score) and math.isfinite(self.max_score) and self.min_score < self.max_score):
+            raise ValueError(f"reward_model_settings.min_score={self.min_score} and max_score={self.max_score} must be "
+                             "finite with min_score < max_score (the range the template asks the judge for)")
+        if self.max_response_chars < 1:
+            raise ValueError(f"reward_model_settings.max_response_chars={self.max_response_chars} must be >= 1")
         if "{response}" not in self.template:
             raise ValueError("reward_model_settings.template must contain {response} (the judged response); it may "
                              "also use {prompt} and {ground_truth}")
@@ -217,6 +234,9 @@ class RLVRConfig:
     colocate_actor_rollout: bool = False  # one process per device holds both; sync shares tensors
     # A registry name or import path, or a mapping {data_source: reward} with "default" for the other sources.
     reward_fn: str | dict[str, str] = "exact_match"
+    # The reward function's settings, passed as keywords (data rows never set them; a data field named like one is
+    # refused at load): {name: value}, or, with a mapping reward_fn, {entry: {name: value}} per entry of it.
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
     reward: RewardSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
@@ -286,7 +306,7 @@ class RLVRConfig:
         if strategy_capabilities("rollout.strategy", self.rollout.strategy).filtered_log_probs:
             _check_unfiltered_sampling(self.sampling, "sampling", self.rollout.strategy.name)
             _check_unfiltered_sampling(self.val_sampling, "val_sampling", self.rollout.strategy.name)
-        _check_reward_fn(self.reward_fn, self.reward_on_error)
+        _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
         buffer, max_new_tokens = self.overlong_buffer.len, self.sampling.max_new_tokens
         if buffer and buffer >= max_new_tokens:
             raise ConfigError(f"overlong_buffer.len={buffer} must be below sampling.max_new_tokens={max_new_tokens}: "
@@ -303,6 +323,7 @@ class SFTConfig:
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     reward_fn: str | dict[str, str] = "exact_match"  # scores validation; as RLVRConfig's
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # as RLVRConfig's
     reward_on_error: str = "raise"  # a row the reward function raises on stops the run; "zero": scores 0, counted
     reward: RewardSettings = field(default_factory=_reward_workers)  # the reward function's CPU-only workers
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/sft"))
@@ -318,7 +339,7 @@ class SFTConfig:
         if self.trainer.num_prompts_per_step % workers:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
                               f"over the {workers} actor workers; make it a multiple of {workers}")
-        _check_reward_fn(self.reward_fn, self.reward_on_error)
+        _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
         if self.trainer.offload_idle_roles is True:
             warnings.warn("trainer.offload_idle_roles=true is ignored: SFT trains one role, which shares its devices "
                           "with no other", stacklevel=2)
@@ -350,14 +371,15 @@ def _check_unfiltered_sampling(sampling: SamplingConfig, key: str, rollout: str)
                           f"{' / '.join(unfiltered)}")
 
 
-def _check_reward_fn(spec: str | dict[str, str], on_error: str) -> None:
-    """Every reward `spec` names resolves (a registry name, or an import path that imports), before any worker starts."""
+def _check_reward_fn(spec: str | dict[str, str], on_error: str, kwargs: dict[str, Any] | None = None) -> None:
+    """Every reward `spec` names resolves (a registry name, or an import path that imports) and takes the settings
+    `kwargs` (reward_kwargs), before any worker starts."""
     from baton.rewards import REWARD_ON_ERROR, RewardRoutes
 
     try:
-        RewardRoutes(spec)
+        RewardRoutes(spec, kwargs)
     except ValueError as e:
-        raise ConfigError(f"reward_fn: {e}") from e
+        raise ConfigError(str(e) if "reward_kwargs" in str(e) else f"reward_fn: {e}") from e
     check_choice("reward_on_error", on_error, REWARD_ON_ERROR)
 
 

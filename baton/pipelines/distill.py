@@ -15,6 +15,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton.algorithms import LOSS_AGG_UNITS, loss_unit
 from baton.algorithms.distill import DISTILL_LOSSES
@@ -26,6 +27,7 @@ from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, Samp
 from baton.datasets.load import load_datasets
 from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.rewards import RewardRoutes
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.capabilities import backends_that, can_share_weights, capabilities
 from baton.workers import RewardWorker, TeacherWorker
@@ -75,6 +77,7 @@ class DistillConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, num_samples_per_prompt=1))
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     reward_fn: str | dict[str, str] = "exact_match"  # scores validation; as RLVRConfig's
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # as RLVRConfig's
     reward_on_error: str = "raise"
     reward: RewardSettings = field(default_factory=_reward_workers)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=64, run_dir="runs/distill"))
@@ -147,7 +150,7 @@ class DistillConfig:
         if rows % workers:
             raise ConfigError(f"a step's {rows} responses do not split evenly over the {workers} actor workers; make "
                               f"trainer.num_prompts_per_step (× sampling.num_samples_per_prompt) a multiple of {workers}")
-        _check_reward_fn(self.reward_fn, self.reward_on_error)
+        _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
 
 
 def vocab_size(strategy: StrategyConfig) -> int:
@@ -175,7 +178,8 @@ class DistillPipeline(Pipeline):
             "teacher": (TeacherWorker, config.teacher, (config.teacher.strategy,)),
             "reward": (RewardWorker, config.reward, (
                 config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,
-                config.reward.num_processes_per_worker, config.reward.timeout_s_per_row))},
+                config.reward.num_processes_per_worker, config.reward.timeout_s_per_row,
+                None, 0, 1.0, config.reward_kwargs))},  # validation only: no overlong penalty
             fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.teacher = clusters["teacher"]
@@ -194,7 +198,8 @@ class DistillPipeline(Pipeline):
     @classmethod
     def load_data(cls, config: DistillConfig):
         """Off-policy on the dataset: one row per response (as SFT's); otherwise the prompts, each once."""
-        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
+        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer,
+                                              RewardRoutes(config.reward_fn, config.reward_kwargs))
         if config.response_source == "dataset":
             train = train.one_response_per_row(config.data.sft_response_key)
         return train, val, tokenizer

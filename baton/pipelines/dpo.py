@@ -11,6 +11,7 @@ import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, Samp
                                     _check_data, _check_reward_fn, _reward_workers)
 from baton.datasets.load import load_datasets
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.rewards import RewardRoutes
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.capabilities import can_share_weights
 from baton.workers import ReferenceWorker, RewardWorker
@@ -82,6 +84,7 @@ class DPOConfig:
     data: DataConfig | None = field(default_factory=DataConfig)  # None inside the demo: its top-level `data`
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples_per_prompt=1))
     reward_fn: str | dict[str, str] = "exact_match"  # scores validation; as RLVRConfig's
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # as RLVRConfig's
     reward_on_error: str = "raise"
     reward: RewardSettings = field(default_factory=_reward_workers)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_prompts_per_step=32, run_dir="runs/dpo"))
@@ -120,7 +123,7 @@ class DPOConfig:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} pairs do not split "
                               f"evenly over the {workers} actor workers, so a pair would be parted between two; make "
                               f"it a multiple of {workers}")
-        _check_reward_fn(self.reward_fn, self.reward_on_error)
+        _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ class DPOPipeline(Pipeline):
         roles = {**policy_roles(config.actor, rollout),
                  "reward": (RewardWorker, config.reward, (
                      config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,
-                     config.reward.num_processes_per_worker, config.reward.timeout_s_per_row))}
+                     config.reward.num_processes_per_worker, config.reward.timeout_s_per_row,
+                     None, 0, 1.0, config.reward_kwargs))}  # validation only: no overlong penalty
         algo = config.algorithm
         if get_preference_loss(algo.loss_type).needs_reference:
             reference = config.reference or config.actor
@@ -204,7 +208,8 @@ class DPOPipeline(Pipeline):
     def load_data(cls, config: DPOConfig):
         """(the pairs as rows, chosen then rejected: `PreferenceDataset.to_rows`; the held-out prompts; tokenizer).
         DataError when a pair's prompt is a held-out one: validation would score what DPO trained on."""
-        _, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
+        _, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer,
+                                          RewardRoutes(config.reward_fn, config.reward_kwargs))
         pairs = config.pairs
         dataset = PreferenceDataset.from_file(pairs.train_path or SHIPPED_PAIRS, pairs.prompt_key, pairs.chosen_key,
                                               pairs.rejected_key)

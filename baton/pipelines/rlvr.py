@@ -18,6 +18,7 @@ from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
+from baton.rewards import RewardRoutes
 from baton.rl import RLAlgorithm, StaleSamplesWarning, TrainingRoles, add_model_scores, baseline_per_row
 from baton.rl.metrics import model_score_metrics, reward_error_count, reward_extra_metrics
 from baton.strategy import SamplingParams
@@ -36,7 +37,8 @@ class RLVRPipeline(Pipeline):
                  "reward": (RewardWorker, config.reward, (
                      config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,
                      config.reward.num_processes_per_worker, config.reward.timeout_s_per_row,
-                     config.sampling.max_new_tokens, config.overlong_buffer.len, config.overlong_buffer.penalty_factor))}
+                     config.sampling.max_new_tokens, config.overlong_buffer.len, config.overlong_buffer.penalty_factor,
+                     config.reward_kwargs))}
         if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
@@ -73,7 +75,8 @@ class RLVRPipeline(Pipeline):
 
     @classmethod
     def load_data(cls, config: RLVRConfig):
-        return load_datasets(config.data, config.actor.strategy.tokenizer)
+        return load_datasets(config.data, config.actor.strategy.tokenizer,
+                             RewardRoutes(config.reward_fn, config.reward_kwargs))
 
     def extra_roles(self, config: RLVRConfig) -> dict:
         """Further clusters to start with the loop's (name → (worker class, settings, constructor args)); none."""
@@ -153,7 +156,8 @@ def reward_model_role(config: RLVRConfig) -> tuple:
     role, settings = config.reward_model, config.reward_model_settings
     if settings.type == "scalar":
         return RewardModelWorker, role, (role.strategy,)
-    return JudgeWorker, role, (role.strategy, settings.template, settings.parse_fn, settings.max_new_tokens)
+    return JudgeWorker, role, (role.strategy, settings.template, settings.parse_fn, settings.max_new_tokens,
+                               settings.min_score, settings.max_score, settings.max_response_chars)
 
 
 __all__ = ["RLVRPipeline", "reward_model_role"]

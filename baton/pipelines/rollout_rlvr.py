@@ -27,6 +27,7 @@ from baton.pipelines.config import RLVRConfig, RoleConfig
 from baton.pipelines.policy import probe_tolerance
 from baton.pipelines.rlvr import reward_model_role
 from baton.pipelines.time_sharing import cluster_devices, on_gpus
+from baton.rewards import RewardRoutes
 from baton.rl import RLAlgorithm, SFTLoss, StaleSamplesWarning, TrainingRoles, add_model_scores, per_row
 from baton.rl.metrics import reward_extra_metrics
 from baton.rollout import RolloutDataSource, Sample
@@ -145,11 +146,14 @@ class RolloutRLVRPipeline(Pipeline):
                                    seed=config.trainer.seed, max_prompt_len=data.max_prompt_len,
                                    buffer_filter=system.buffer_filter)
         eval_sets: dict[str, PromptDataset] = {"val": self.val_data} if self.val_data is not None else {}
-        eval_sets.update({name: load_prompt_file(data, path, self.tokenizer) for name, path in config.eval_files.items()})
+        routes = RewardRoutes(config.reward_fn, config.reward_kwargs)
+        eval_sets.update({name: load_prompt_file(data, path, self.tokenizer, routes)
+                          for name, path in config.eval_files.items()})
         overlong = config.overlong_buffer
         rewarder = GroupRewarder(
             config.reward_fn, on_error=config.reward_on_error, num_processes=config.reward.num_processes,
             timeout_s_per_row=config.reward.timeout_s_per_row, timeout_s=system.reward_timeout_s,
+            reward_kwargs=config.reward_kwargs,
             custom=load_plugin(system.reward_function, "reward_function"),
             overlong=(config.sampling.max_new_tokens, overlong.len, overlong.penalty_factor) if overlong.len else None)
         # The rollout system: the engines behind their router, the reward, and three parts that use them: the
@@ -192,7 +196,8 @@ class RolloutRLVRPipeline(Pipeline):
     @classmethod
     def load_data(cls, config: RolloutRLVRConfig):
         """With the SFT loss, one row per demonstration (as SFT trains), so each sample has one response."""
-        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
+        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer,
+                                              RewardRoutes(config.reward_fn, config.reward_kwargs))
         if config.loss == "sft":
             train = train.one_response_per_row(config.data.sft_response_key)
         return train, val, tokenizer

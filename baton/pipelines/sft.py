@@ -9,6 +9,7 @@ from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import SFTConfig
 from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.rewards import RewardRoutes
 from baton.rl.losses import SFTLoss
 from baton.strategy.capabilities import can_share_weights
 from baton.workers import RewardWorker
@@ -27,7 +28,8 @@ class SFTPipeline(Pipeline):
         clusters = self.create_clusters({**policy_roles(config.actor, rollout),
                                          "reward": (RewardWorker, config.reward, (
                                              config.reward_fn, config.actor.strategy.tokenizer, config.reward_on_error,
-                                             config.reward.num_processes_per_worker, config.reward.timeout_s_per_row))},
+                                             config.reward.num_processes_per_worker, config.reward.timeout_s_per_row,
+                                             None, 0, 1.0, config.reward_kwargs))},  # no overlong penalty
                                         fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
@@ -38,7 +40,8 @@ class SFTPipeline(Pipeline):
 
     @classmethod
     def load_data(cls, config: SFTConfig):
-        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer)
+        train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer,
+                                              RewardRoutes(config.reward_fn, config.reward_kwargs))
         return train.one_response_per_row(config.data.sft_response_key), val, tokenizer
 
     def validate(self) -> dict[str, float]:
