@@ -352,6 +352,10 @@ def test_save_load_round_trip_and_refuses_overwrite(tmp_path):
     make(2).save(path, overwrite=True)
     assert len(DataProto.load(path)) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["batch.pt"]
+    data.save_pickle(tmp_path / "batch.pkl")
+    assert DataProto.load_trusted_pickle(tmp_path / "batch.pkl").equals(data)
+    with pytest.raises(ValueError, match="load_trusted_pickle"):
+        DataProto.load(tmp_path / "batch.pkl")  # the safe load reads no pickle
 
 
 def test_pickle_round_trip_preserves_values_and_dtypes():

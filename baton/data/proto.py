@@ -6,6 +6,8 @@ columns aligned on dim 0. It pickles tensors as numpy buffers so Ray can move th
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pickle
 import warnings
@@ -50,7 +52,11 @@ class DataProto:
     where they can (slices are views) and get a shallow copy of `meta_info`. Use `equals`, not
     `==`, to compare two DataProtos.
 
-    Pickling (Ray, multiprocessing, `save`) sends every tensor as a detached, contiguous CPU numpy
+    Files: `save`/`load` write and read plain data (safetensors for the tensors, JSON for the rest), so a file from
+    anyone loads without running code; `save_pickle`/`load_trusted_pickle` keep any Python object, and loading one
+    runs whatever code the file names: only files you made.
+
+    Pickling (Ray, multiprocessing, `save_pickle`) sends every tensor as a detached, contiguous CPU numpy
     array, so pickle protocol 5 can ship it out-of-band and Ray's object store can hand it over
     zero-copy. The receiver gets CPU tensors that may share read-only memory: move them to its
     device with `to(device)`, and clone before writing in place. `copy.copy`/`copy.deepcopy` go
@@ -308,19 +314,56 @@ class DataProto:
                 and values_equal(self.meta_info, other.meta_info))
 
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> None:
-        """Pickle to `path` atomically (temp file in the same directory, fsync, rename).
+        """Write to `path` atomically (temp file in the same directory, fsync, rename) as plain data: a safetensors
+        file of the tensors, whose metadata holds the non-tensor columns and meta_info as JSON. Non-tensor values
+        and meta_info must be JSON's kinds (None, bool, int, float, str, lists, dicts with str keys; numpy scalars
+        become Python's): ValueError names the first that is not (`save_pickle` keeps anything)."""
+        from safetensors.torch import save as safetensors_bytes
 
-        The file holds the same state as a pickle sent between processes (tensors as numpy).
-        """
-        path = os.fspath(path)
-        if os.path.exists(path) and not overwrite:
-            raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+        path = _new_file(path, overwrite)
+        columns = {key: _column_to_json(value, f"non_tensor_batch[{key!r}]")
+                   for key, value in self.non_tensor_batch.items()}
+        metadata = {"format": _SAFE_FORMAT, "non_tensor_batch": json.dumps(columns),
+                    "meta_info": json.dumps(_plain(self.meta_info, "meta_info"))}
+        # clones: safetensors refuses tensors that share memory (the views of one batch)
+        tensors = {key: tensor.detach().cpu().contiguous().clone() for key, tensor in self.batch.items()}
+        with atomic_file(path, binary=True) as f:
+            f.write(safetensors_bytes(tensors, metadata))
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> DataProto:
+        """Load a DataProto written by `save`. Reads plain data only (no pickle), so a file from anyone is safe to
+        load; ValueError for anything else, a pickle included."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(os.fspath(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                if metadata.get("format") != _SAFE_FORMAT:
+                    raise ValueError(f"its metadata names no {_SAFE_FORMAT!r} format")
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
+            columns = json.loads(metadata["non_tensor_batch"])
+            meta_info = json.loads(metadata["meta_info"])
+            if not isinstance(columns, dict) or not isinstance(meta_info, dict):
+                raise ValueError("its non-tensor columns or meta_info are not JSON objects")
+            non_tensors = {str(key): _column_from_json(value) for key, value in columns.items()}
+        except (SafetensorError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ValueError(f"{path} is not a DataProto file written by DataProto.save ({type(e).__name__}: {e}); "
+                             "a pickle from save_pickle loads with DataProto.load_trusted_pickle, and only from a "
+                             "source you trust") from None
+        return DataProto(tensors, non_tensors, meta_info)
+
+    def save_pickle(self, path: str | os.PathLike, overwrite: bool = False) -> None:
+        """Pickle to `path` atomically, any Python object in the columns and meta_info kept: the same state as a
+        pickle sent between processes (tensors as numpy). Read back only with `load_trusted_pickle`."""
+        path = _new_file(path, overwrite)
         with atomic_file(path, binary=True) as f:
             pickle.dump(self, f, protocol=5)
 
     @staticmethod
-    def load(path: str | os.PathLike) -> DataProto:
-        """Load a DataProto written by `save`. Unpickles, so only load files you trust."""
+    def load_trusted_pickle(path: str | os.PathLike) -> DataProto:
+        """Load a DataProto written by `save_pickle`. Unpickling runs any code the file names: load only files you
+        made or trust as you trust your own code; `load` reads a `save` file from anyone."""
         with open(path, "rb") as f:
             data = pickle.load(f)
         if not isinstance(data, DataProto):
@@ -340,6 +383,61 @@ class DataProto:
 
 
 # ---- helpers --------------------------------------------------------------------------------------
+
+_SAFE_FORMAT = "baton.DataProto/1"  # the safetensors metadata's "format" of a `DataProto.save` file
+_MAX_STR_WIDTH = 2**20  # characters per item of a fixed-width string column a file may ask for
+
+
+def _new_file(path: str | os.PathLike, overwrite: bool) -> str:
+    path = os.fspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    return path
+
+
+def _plain(value: Any, where: str) -> Any:
+    """`value` as JSON's kinds (numpy scalars as Python's); ValueError naming `where` for anything else."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise ValueError(f"{where} has the key {key!r} (a {type(key).__name__}); DataProto.save keeps str "
+                                 "keys only: use save_pickle for such data")
+        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
+    raise ValueError(f"{where} is a {type(value).__name__}; DataProto.save keeps JSON's kinds only (None, bool, int, "
+                     "float, str, lists, dicts): convert it, or use save_pickle for such data")
+
+
+def _column_to_json(column: np.ndarray, where: str) -> dict[str, Any]:
+    flat = column.ravel()
+    values = [_plain(item, f"{where}[{i}]") for i, item in enumerate(flat)] if column.dtype == object else flat.tolist()
+    if column.dtype != object:
+        _plain(values, where)  # datetimes, bytes
+    return {"dtype": column.dtype.str if column.dtype != object else "object", "shape": list(column.shape),
+            "values": values}
+
+
+def _column_from_json(column: Any) -> np.ndarray:
+    if not isinstance(column, dict) or not {"dtype", "shape", "values"} <= column.keys():
+        raise ValueError("a non-tensor column is not {dtype, shape, values}")
+    shape, values = column["shape"], column["values"]
+    if (not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape)
+            or not isinstance(values, list) or math.prod(shape) != len(values) or not shape):
+        raise ValueError(f"a non-tensor column's shape {shape!r} does not hold its {len(values)} values")
+    if column["dtype"] == "object":
+        array = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):  # one by one: numpy would make a list of lists 2-D
+            array[i] = value
+        return array.reshape(shape)
+    dtype = np.dtype(column["dtype"])
+    if dtype.kind not in "biufU" or (dtype.kind == "U" and dtype.itemsize > 4 * _MAX_STR_WIDTH):
+        raise ValueError(f"a non-tensor column has the dtype {dtype}, which DataProto.save does not write")
+    return np.array(values, dtype=dtype).reshape(shape)
 
 
 def tensors_to_numpy(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
