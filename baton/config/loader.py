@@ -14,7 +14,7 @@ import importlib
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -156,8 +156,40 @@ def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=False)
 
 
+# A config is small: these bound what a hostile file can make the loader do (deep recursion, a billion laughs).
+MAX_YAML_DEPTH = 64  # nested mappings and lists, aliases followed
+MAX_YAML_NODES = 1_000_000  # keys, values and items, each alias counted at its full size
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 as PyYAML reads it, but with YAML 1.2 floats: `1e-5` is a number, not the string "1e-5"."""
+    """YAML 1.1 as PyYAML reads it, but with YAML 1.2 floats (`1e-5` is a number, not the string "1e-5"), a duplicate
+    key refused, and nesting deeper than MAX_YAML_DEPTH refused while composing (before Python's recursion limit)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                              self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` lays a mapping under this one's keys: not a duplicate
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first on line {seen[key] + 1}); keep one",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -165,17 +197,65 @@ _Loader.add_implicit_resolver(
 )
 
 
+def parse_yaml(text: str) -> Any:
+    """The data in YAML `text`, refused (yaml.YAMLError with the line) when it nests deeper than MAX_YAML_DEPTH,
+    expands past MAX_YAML_NODES through aliases, refers to itself, repeats a key or holds a lone surrogate."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _measure(node, 0, set(), {}, [0])
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _measure(node: yaml.Node, depth: int, open_nodes: set[int], heights: dict[int, int], count: list[int]) -> int:
+    """The height of `node`'s tree with aliases expanded; counts its expanded nodes into `count[0]`."""
+    def refuse(problem: str):
+        raise yaml.composer.ComposerError(None, None, problem, node.start_mark)
+
+    if depth > MAX_YAML_DEPTH:
+        refuse(f"nested deeper than {MAX_YAML_DEPTH} levels (through aliases)")
+    if id(node) in open_nodes:
+        refuse("an alias refers to the node that holds it")
+    if isinstance(node, yaml.ScalarNode):
+        count[0] += 1
+        if any("\ud800" <= ch <= "\udfff" for ch in node.value):
+            refuse("a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not text")
+        return 0
+    if id(node) in heights and depth + heights[id(node)] > MAX_YAML_DEPTH:
+        refuse(f"nested deeper than {MAX_YAML_DEPTH} levels (through aliases)")
+    children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else node.value
+    open_nodes.add(id(node))
+    height = 1 + max((_measure(c, depth + 1, open_nodes, heights, count) for c in children), default=0)
+    open_nodes.discard(id(node))
+    heights[id(node)] = height
+    count[0] += 1
+    if count[0] > MAX_YAML_NODES:
+        refuse(f"more than {MAX_YAML_NODES} values once its aliases are expanded (an alias bomb?)")
+    return height
+
+
 def load_yaml(path: str | Path) -> dict:
     """The mapping in a YAML file ({} for an empty file); ConfigError naming the file (and line) when it cannot be read."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    raw = path.read_bytes()
     try:
-        data = yaml.load(path.read_text(), _Loader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: the byte {raw[e.start:e.start + 1]!r} at byte offset {e.start} is not UTF-8; "
+                          "save the file as UTF-8") from None
+    try:
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from e
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -255,15 +335,19 @@ def _mapping_member(tp: Any) -> Any:
 
 def _cli_value(raw: str, tp: Any) -> Any:
     """`raw` read as YAML, except that a number for a field that takes only strings keeps its text (`env_vars.RANK=0`)."""
-    value = yaml.load(raw, _Loader)
+    value = parse_yaml(raw)
     members = typing.get_args(tp) if _is_union(tp) else (tp,)
     if isinstance(value, (bool, int, float)) and str in members and not {bool, int, float} & set(members):
         return raw.strip()
     return value
 
 
-def load_config(cls: type, path: str | Path | None, overrides: Sequence[str] = (), defaults: Mapping | None = None) -> Any:
+def load_config(cls: type, path: str | Path | None, overrides: Sequence[str] = (), defaults: Mapping | None = None,
+                *, import_beside: bool = True) -> Any:
     """The config `cls` from `defaults`, then the YAML file at `path`, then command-line `overrides`, each over the last.
+
+    import_beside: whether modules beside the config file (and in the directories recorded there) become importable
+    (`baton.config.paths.add_config_dir`); False for a file that is data only, such as an untrusted run's config.yaml.
 
     Without `defaults`, the defaults are `cls()`'s resolved tree (when every field has a default),
     so setting one key of a nested section keeps that section's other defaults as `cls` declares
@@ -273,7 +357,7 @@ def load_config(cls: type, path: str | Path | None, overrides: Sequence[str] = (
                                 for f in dataclasses.fields(cls)):
         defaults = to_dict(cls())
     if path is not None:
-        add_config_dir(path)  # import paths and data files beside the config are found (baton.config.paths)
+        add_config_dir(path, importable=import_beside)  # import paths and data files beside it are found
     data = deep_merge(defaults or {}, load_yaml(path) if path is not None else {})
     return from_dict(cls, apply_overrides(data, overrides, cls))
 
