@@ -33,10 +33,16 @@ def resolve(config_path: str | None, overrides: list[str]):
         add_config_dir(config_path)  # before pipeline_cls is imported: it may live beside the config
     pipeline_override = [o.split("=", 1)[1] for o in overrides if o.startswith("pipeline_cls=")]
     path = pipeline_override[-1] if pipeline_override else data.get("pipeline_cls", DEFAULT_PIPELINE)
+    if not isinstance(path, str):
+        raise ConfigError(f"{config_path}: pipeline_cls is {path!r}, not an import path 'package.module:Class'")
     module, _, name = path.partition(":")
     if (module, name) in MOVED_PIPELINES:
         raise ConfigError(f"pipeline_cls {path!r} has moved; write pipeline_cls: {MOVED_PIPELINES[module, name]}")
     pipeline_cls = import_object(path)
+    if not (isinstance(pipeline_cls, type) and isinstance(getattr(pipeline_cls, "config_cls", None), type)):
+        where = "the override pipeline_cls" if pipeline_override else f"{config_path}: pipeline_cls"
+        raise ConfigError(f"{where} {path!r} names an object of type {type(pipeline_cls).__name__}, not a pipeline "
+                          f"class (a class with a config_cls, such as {DEFAULT_PIPELINE})")
     return pipeline_cls, load_config(pipeline_cls.config_cls, config_path, overrides)
 
 
@@ -68,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--data", default=None, help="a .jsonl or .parquet prompt file (the run's prompt/answer keys); "
                           "default: the run's held-out data")
     evaluate.add_argument("--reward", default=None, help="a reward name or import path; default: the run's reward_fn")
+    for sub in (evaluate, generate):
+        sub.add_argument("--trust-run-dir", action="store_true",
+                         help="import the modules the run's config names (its reward, pipeline) from the run directory "
+                         "and the directories its import_dirs.txt records; without it a run directory is data only")
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     generate.add_argument("--prompts-file", default=None, help="a text file with one prompt per line, or a .jsonl/.parquet "
                           "prompt file")
@@ -113,17 +123,26 @@ def main(argv: list[str] | None = None) -> int:
             return show_config(pipeline_cls, config)
         summary = run_on_ray(pipeline_cls, config, args.ray_address)
     except (ConfigError, LayoutError) as e:
-        print(f"baton: error: {e}", file=sys.stderr)
+        print(f"baton: error: {in_config(args.config, e)}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:
         print(f"baton: {e}; to continue, rerun the same command with {resume_key(config)}=latest", file=sys.stderr)
         return 130
     except _run_failures() as e:
-        print(f"baton: error: {one_line(e)}\n  to continue: {next_step(e, config)}"
-              f"\n  full traceback: {write_error_log(config, e)}", file=sys.stderr)
+        log = write_error_log(config, e) if args.command == "run" else None  # `baton config` writes nothing
+        print(f"baton: error: {one_line(e)}" + (f"\n  to continue: {next_step(e, config)}" if args.command == "run" else "")
+              + (f"\n  full traceback: {log}" if log else ""), file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
     return 0
+
+
+def in_config(config_path: str | None, exc: BaseException) -> str:
+    """The message of `exc`, led by the config file it comes from where it does not name it already."""
+    text = str(exc)
+    if config_path is None or text.startswith((config_path, os.path.normpath(config_path))):
+        return text
+    return f"{config_path}: {text}"
 
 
 def dag_plan(args) -> int:
@@ -175,17 +194,19 @@ def evaluate_or_generate(args) -> int:
     try:
         if args.command == "generate" and not (args.prompt or args.prompts_file):
             raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+        # generate scores nothing: the run's reward is not loaded, the built-in stands in
+        reward = args.reward if args.command == "eval" else "exact_match"
         policy = evaluate.load_policy(args.checkpoint, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                      num_samples=args.num_samples)
-        prompts = ([*args.prompt, *read_prompts(args.prompts_file, policy.strategy.tokenizer)]
-                   if args.command == "generate" else [])
+                                      num_samples=args.num_samples, reward=reward, trust_run_dir=args.trust_run_dir)
+        prompts = ([*(check_text(p, "--prompt") for p in args.prompt),
+                    *read_prompts(args.prompts_file, policy.strategy.tokenizer)] if args.command == "generate" else [])
         if args.command == "generate" and not prompts:
             raise ValueError(f"no prompts in {args.prompts_file}: pass --prompt TEXT or a file with prompts")
         if not policy.from_run_config:
             print(f"baton: no run config.yaml above {policy.model_dir}; using its own tokenizer (else baton's), "
                   "the default arithmetic task, exact_match and greedy decoding", file=sys.stderr)
         if args.command == "eval":
-            print(json.dumps(evaluate.evaluate(policy, args.data, args.reward), indent=2))
+            print(json.dumps(evaluate.evaluate(policy, args.data), indent=2))
         else:
             for completion in evaluate.generate(policy, prompts, seed=args.seed):
                 print(json.dumps(completion))
@@ -204,8 +225,19 @@ def read_prompts(path: str | None, tokenizer) -> list[str]:
         from baton.datasets import PromptDataset
 
         return PromptDataset.from_file(path, answer_key=None).render_chat(tokenizer).text_prompts()
-    with open(path) as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
+    with open(path, "rb") as f:
+        lines = [check_text(raw, f"{path}, line {number}") for number, raw in enumerate(f, start=1)]
+    return [line.rstrip("\r\n") for line in lines if line.strip()]
+
+
+def check_text(text: str | bytes, where: str) -> str:
+    """`text` (bytes: decoded as UTF-8) if it is text that can be tokenized; ValueError naming `where` if it holds bytes
+    that are not UTF-8 (on the command line they come as lone surrogates) or a lone surrogate."""
+    try:
+        return text.decode("utf-8") if isinstance(text, bytes) else (text.encode("utf-8") and text)
+    except UnicodeError as e:
+        raise ValueError(f"{where}: {text[e.start:e.start + 1]!r} at position {e.start + 1} is not UTF-8 text; "
+                         "give UTF-8") from None
 
 
 def run_on_ray(pipeline_cls, config, ray_address: str | None) -> dict:
@@ -262,9 +294,13 @@ def resume_key(config) -> str:
 
 
 def next_step(exc: BaseException, config) -> str:
+    """What to do after a failed run: resume it where it left a checkpoint, else run it again."""
     import errno
 
-    resume = f"rerun the same command with {resume_key(config)}=latest (it continues from the last checkpoint)"
+    if has_checkpoint(run_dir_of(config)):
+        resume = f"rerun the same command with {resume_key(config)}=latest (it continues from the last checkpoint)"
+    else:
+        resume = "rerun the same command"
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"free disk space (or lower trainer.keep_last_checkpoints), then {resume}"
     if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -272,12 +308,24 @@ def next_step(exc: BaseException, config) -> str:
     return f"fix the cause above, then {resume}"
 
 
+def run_dir_of(config) -> str:
+    return getattr(config, "run_dir", None) or getattr(getattr(config, "trainer", None), "run_dir", None) or "."
+
+
+def has_checkpoint(run_dir: str) -> bool:
+    """Whether `run_dir`, or a stage directory in it (the demo's sft/, rlvr/), holds a checkpoint."""
+    from baton.pipelines.run_dir import list_checkpoints
+
+    stages = [os.path.join(run_dir, d) for d in os.listdir(run_dir)] if os.path.isdir(run_dir) else []
+    return any(list_checkpoints(d) for d in [run_dir, *stages])
+
+
 def write_error_log(config, exc: BaseException) -> str:
     """Append the full traceback to the run directory's error.log; returns its path."""
     import time
     import traceback
 
-    run_dir = getattr(config, "run_dir", None) or getattr(getattr(config, "trainer", None), "run_dir", None) or "."
+    run_dir = run_dir_of(config)
     path = os.path.join(run_dir, "error.log")
     os.makedirs(run_dir, exist_ok=True)
     with open(path, "a") as f:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -102,7 +101,7 @@ def test_a_config_naming_a_demo_pipeline_by_its_old_path_gets_its_new_one(tmp_pa
     config = tmp_path / "old.yaml"
     config.write_text(f"pipeline_cls: {old}\n")
     assert main(["config", str(config)]) == 2
-    assert capsys.readouterr().err == f"baton: error: pipeline_cls {old!r} has moved; write pipeline_cls: {new}\n"
+    assert capsys.readouterr().err == f"baton: error: {config}: pipeline_cls {old!r} has moved; write pipeline_cls: {new}\n"
     assert main(["config", f"pipeline_cls={old}"]) == 2
     assert capsys.readouterr().err == f"baton: error: pipeline_cls {old!r} has moved; write pipeline_cls: {new}\n"
     assert main(["config", f"pipeline_cls={new}", f"run_dir={tmp_path / 'run'}"]) == 0
@@ -123,7 +122,8 @@ def test_a_failed_run_prints_one_line_with_the_next_step_and_logs_the_traceback(
     lines = [line for line in err.splitlines() if line.startswith(("baton: error", "  "))]
     assert lines[0].startswith("baton: error: worker reward[rank 0] raised in compute_rewards(): ")
     assert "the judge is down" in lines[0] and "Traceback" not in err
-    assert "to continue: fix the cause above, then rerun the same command with trainer.resume=latest" in err
+    # It failed before its first checkpoint: nothing to resume.
+    assert "to continue: fix the cause above, then rerun the same command\n" in err and "resume=latest" not in err
     log = tmp_path / "run" / "error.log"
     assert f"full traceback: {log}" in err
     assert "Traceback" in log.read_text() and "the judge is down" in log.read_text()

@@ -3,15 +3,25 @@
 A checkpoint is scored the way its run validated it: the run's tokenizer, held-out data, reward
 and validation sampling (`val_sampling`), read from the `config.yaml` the pipeline wrote in its
 run directory, through the pipelines' own `validate`.
+
+A run directory is data unless trusted: without `trust_run_dir`, its config.yaml is read without importing anything
+from the run directory or the directories its import_dirs.txt records (they are taken off `sys.path` too), and an
+import path in it that nothing installed provides is refused in one line naming the key and the way on
+(`--trust-run-dir`, or `--reward` for the reward). The checkpoint itself is safetensors, loaded without pickles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import re
+import sys
+from typing import Any, Iterator
 
 from baton.checkpoint import PIPELINE_STATE, has_state
-from baton.config import import_object, load_config, load_yaml
+from baton.config import ConfigError, import_object, load_config, load_yaml
+from baton.config.paths import recorded_import_dirs
 from baton.pipelines.run_dir import list_checkpoints
 from baton.pipelines.config import DataConfig, SamplingConfig
 
@@ -41,14 +51,59 @@ def resolve_checkpoint(path: str) -> str:
     return resolve_checkpoint(steps[-1])
 
 
-def run_config(model_dir: str):
-    """The resolved config of the run that saved `model_dir` (its run directory's config.yaml), or None."""
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.\w+)*:[A-Za-z_][\w.]*$")  # "package.module:attr" in config data
+
+
+def run_config(model_dir: str, *, trust_run_dir: bool = False, reward: str | None = None):
+    """The resolved config of the run that saved `model_dir` (its run directory's config.yaml), or None. Untrusted,
+    nothing is imported from the run directory or its recorded directories (`check_untrusted_imports`). reward: a
+    reward given on the command line, which replaces the run's `reward_fn` before anything is imported."""
     checkpoints_dir = os.path.dirname(os.path.dirname(model_dir))  # <run_dir>/checkpoints/step_<N>/<role>
-    path = os.path.join(os.path.dirname(checkpoints_dir), "config.yaml")
+    run_dir = os.path.dirname(checkpoints_dir)
+    path = os.path.join(run_dir, "config.yaml")
     if os.path.basename(checkpoints_dir) != "checkpoints" or not os.path.isfile(path):
         return None
-    pipeline_cls = import_object(load_yaml(path)["pipeline_cls"])
-    return load_config(pipeline_cls.config_cls, path)
+    data = load_yaml(path)
+    if reward is not None and "reward_fn" in data:
+        data["reward_fn"] = reward
+    if not trust_run_dir:
+        untrusted = {os.path.realpath(d) for d in [run_dir, *recorded_import_dirs(run_dir)]}
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) not in untrusted]
+        check_untrusted_imports(path, data)
+    pipeline_path = data.get("pipeline_cls")
+    if not isinstance(pipeline_path, str):
+        raise ConfigError(f"{path}: pipeline_cls is {pipeline_path!r}, not an import path 'package.module:Class'")
+    pipeline_cls = import_object(pipeline_path)
+    if not isinstance(getattr(pipeline_cls, "config_cls", None), type):
+        raise ConfigError(f"{path}: pipeline_cls {pipeline_path!r} is not a pipeline class (one with a config_cls)")
+    overrides = [f"reward_fn={reward}"] if reward is not None and "reward_fn" in data else []
+    return load_config(pipeline_cls.config_cls, path, overrides, import_beside=trust_run_dir)
+
+
+def check_untrusted_imports(path: str, data: dict) -> None:
+    """ConfigError for the first import path in a run's config data whose top-level module nothing installed
+    provides: it could only come from the run directory, which is not trusted. (Finding a top-level module runs
+    none of its code.)"""
+    for key, value in _import_paths(data):
+        top = value.partition(":")[0].split(".")[0]
+        if top in sys.modules or importlib.util.find_spec(top) is not None:
+            continue
+        way = "pass --trust-run-dir if you trust the run directory's code" + (
+            ", or name a reward with --reward" if key.split(".")[0] == "reward_fn" else "")
+        raise ConfigError(f"{path}: {key} {value!r} is not installed here; it would be imported from the run "
+                          f"directory, and opening a run imports nothing from it: {way}")
+
+
+def _import_paths(data: Any, key: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, value) of every string in plain config data shaped like an import path."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            yield from _import_paths(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from _import_paths(value, f"{key}[{i}]")
+    elif isinstance(data, str) and IMPORT_PATH.match(data):
+        yield key, data
 
 
 @dataclasses.dataclass
@@ -65,13 +120,15 @@ class LoadedPolicy:
 
 
 def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: int | None = None,
-                num_samples: int | None = None) -> LoadedPolicy:
-    """Build the checkpoint's model with the run's rollout settings; overrides replace `val_sampling`'s fields."""
+                num_samples: int | None = None, reward: str | None = None, trust_run_dir: bool = False) -> LoadedPolicy:
+    """Build the checkpoint's model with the run's rollout settings; overrides replace `val_sampling`'s fields.
+    reward: replaces the run's reward_fn; trust_run_dir: import the modules the run's config names from the run
+    directory and its recorded directories (`run_config`)."""
     from baton.strategy import StrategyConfig
     from baton.strategy.hf import HFStrategy
 
     model_dir = resolve_checkpoint(path)
-    config = run_config(model_dir)
+    config = run_config(model_dir, trust_run_dir=trust_run_dir, reward=reward)
     if config is None:  # a bare HF directory: its own tokenizer (else baton's), the default task, greedy decoding
         has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer_path = model_dir if has_tokenizer else None
@@ -84,6 +141,7 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
         data = getattr(config, "data", None) or DataConfig()
         sampling = getattr(config, "val_sampling", None) or SamplingConfig(temperature=0.0, num_samples_per_prompt=1)
         reward_fn = getattr(config, "reward_fn", "exact_match")
+    reward_fn = reward or reward_fn
     overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens, "num_samples_per_prompt": num_samples}
     sampling = dataclasses.replace(sampling, **{k: v for k, v in overrides.items() if v is not None})
     return LoadedPolicy(model_dir, HFStrategy(strategy_config), tokenizer_path, data, sampling, reward_fn,
