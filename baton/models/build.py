@@ -55,6 +55,41 @@ _CONFIG_KEYS = {
 } | {"dtype", "attn_implementation", "rope_theta", "rope_scaling"}
 
 
+# A dict model is built at random on the CPU before anything else runs: each size is bounded, and so is the parameter
+# count they make (a dict's "max_parameters" raises that bound), so that a typo such as 1e8 layers is refused at once
+# instead of allocating for minutes.
+MAX_MODEL_SIZES = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 20,
+                   "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+                   "max_position_embeddings": 1 << 24}
+MAX_PARAMETERS = 20_000_000_000  # above Qwen2Config's own defaults (12B)
+_QWEN2_DEFAULTS = {name: param.default for name, param in inspect.signature(Qwen2Config).parameters.items()}
+
+
+def check_model_size(kwargs: dict[str, Any], max_parameters: float = MAX_PARAMETERS) -> int:
+    """The parameter count (embeddings, attention, MLP, norms) of Qwen2Config `kwargs`, its unset sizes Qwen2Config's
+    defaults; ValueError naming the key for a size that is not a whole number in 1..MAX_MODEL_SIZES[key], or for a
+    count above `max_parameters`. Nothing is allocated."""
+    sizes = {}
+    for key, bound in MAX_MODEL_SIZES.items():
+        value = kwargs.get(key, _QWEN2_DEFAULTS[key])
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise ValueError(f"{key} is {value!r}; it must be a whole number from 1 to {bound}")
+        sizes[key] = value
+    if sizes["hidden_size"] % sizes["num_attention_heads"]:
+        raise ValueError(f"hidden_size {sizes['hidden_size']} is not a multiple of num_attention_heads "
+                         f"{sizes['num_attention_heads']}")
+    hidden, head_dim = sizes["hidden_size"], sizes["hidden_size"] // sizes["num_attention_heads"]
+    attention = 2 * hidden * hidden + 2 * hidden * sizes["num_key_value_heads"] * head_dim  # q, o; k, v
+    per_layer = attention + 3 * hidden * sizes["intermediate_size"] + 2 * hidden
+    tied = kwargs.get("tie_word_embeddings", _QWEN2_DEFAULTS["tie_word_embeddings"])
+    count = (1 if tied else 2) * sizes["vocab_size"] * hidden + sizes["num_hidden_layers"] * per_layer + hidden
+    if count > max_parameters:
+        raise ValueError(f"these sizes make a model of {count / 1e9:.1f}B parameters, more than max_parameters "
+                         f"{max_parameters / 1e9:g}B built at random on the CPU; check the sizes, or set "
+                         "max_parameters in the model dict to build it anyway")
+    return count
+
+
 def _registry_entry(name: str) -> dict[str, Any]:
     if name not in MODEL_CONFIGS:
         raise ValueError(f"unknown model config {name!r}; valid names: {sorted(MODEL_CONFIGS)}")
@@ -66,17 +101,22 @@ def model_config(name_or_dict: str | dict[str, Any]) -> Qwen2Config:
 
     A dict may hold "base": a MODEL_CONFIGS name whose kwargs the dict's other keys override,
     e.g. `{"base": "tiny-qwen2", "num_hidden_layers": 2}`. Without "base" the dict is passed to
-    Qwen2Config as is, so unset keys take Qwen2Config's (7B-sized) defaults.
+    Qwen2Config as is, so unset keys take Qwen2Config's (7B-sized) defaults. Its sizes are checked before
+    anything is built (`check_model_size`); "max_parameters" raises the bound on the parameter count.
     """
     if isinstance(name_or_dict, str):
         kwargs = dict(_registry_entry(name_or_dict))
     else:
         overrides = dict(name_or_dict)
         base = overrides.pop("base", None)
+        max_parameters = overrides.pop("max_parameters", MAX_PARAMETERS)
+        if isinstance(max_parameters, bool) or not isinstance(max_parameters, (int, float)) or not max_parameters > 0:
+            raise ValueError(f"max_parameters is {max_parameters!r}; give a positive number")
         kwargs = {**(_registry_entry(base) if base is not None else {}), **overrides}
-    unknown = sorted(set(kwargs) - _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown Qwen2Config keys {unknown}; valid keys: {sorted(_CONFIG_KEYS)}")
+        unknown = sorted(set(kwargs) - _CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown Qwen2Config keys {unknown}; valid keys: {sorted(_CONFIG_KEYS)}")
+        check_model_size(kwargs, max_parameters)
     return Qwen2Config(**kwargs)
 
 

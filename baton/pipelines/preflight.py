@@ -47,7 +47,39 @@ def check_roles(config, trainer: TrainerConfig) -> None:
                 f"independent model per worker, so they would drift apart; use {name}.strategy.name="
                 f"{' / '.join(backends_that('trains_over_workers'))} to train one model over {workers} workers, or "
                 f"{name}.world_size=1")
+    check_sequence_lengths(config, roles)
     check_machine(config, trainer)
+
+
+def check_sequence_lengths(config, roles: dict[str, RoleConfig]) -> None:
+    """A prompt of `data.max_prompt_len` tokens and a response of each sampling section's `max_new_tokens` fit every
+    model role's `max_position_embeddings` (a registry name, a dict, or a directory's config.json that states it)."""
+    data = getattr(config, "data", None)
+    sections = [(key, getattr(config, key)) for key in ("sampling", "val_sampling") if getattr(config, key, None)]
+    if not hasattr(data, "max_prompt_len") or not sections:
+        return
+    key, longest = max(sections, key=lambda section: section[1].max_new_tokens)
+    length = data.max_prompt_len + longest.max_new_tokens
+    for name, role in roles.items():
+        positions = max_positions(role.strategy.model)
+        if positions is not None and length > positions:
+            raise ConfigError(f"data.max_prompt_len={data.max_prompt_len} + {key}.max_new_tokens="
+                              f"{longest.max_new_tokens} makes sequences of {length} tokens, more than {name}.strategy."
+                              f"model's max_position_embeddings={positions}; lower them")
+
+
+def max_positions(model: str | dict) -> int | None:
+    """The `max_position_embeddings` of a model (registry name, dict, or HF directory); None where it is not stated."""
+    from baton.models import MODEL_CONFIGS, model_config
+
+    if isinstance(model, dict) or model in MODEL_CONFIGS:
+        return model_config(model).max_position_embeddings
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) else None
 
 
 def check_devices_per_worker(roles: dict[str, RoleConfig], has_gpus: bool) -> None:
@@ -113,6 +145,8 @@ def check_model_dir(key: str, path: str, names: list[str]) -> None:
                           "its checkpoints/step_N/actor)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{key}: cannot read {config_file}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{key}: {config_file} nests too deeply to be a model config") from None
     if not isinstance(hf_config, dict) or "model_type" not in hf_config:
         raise ConfigError(f"{key}: {config_file} has no model_type; it is not an HF model config")
     if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES) and not any(

@@ -24,6 +24,7 @@ top_k_log_probs(batch, k) output (`TorchStrategy`: hf, fsdp2; a distillation tea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 
@@ -41,6 +42,10 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.lr) and self.lr > 0):  # NaN, inf, 0 or a negative rate trains nothing sensible
+            raise ValueError(f"lr is {self.lr}; give a finite learning rate above 0, e.g. 1e-5")
 
 
 @dataclass
