@@ -87,7 +87,10 @@ class RewardSettings(WorkerSettings):
     num_processes_per_worker: 0 scores the rows one after another in the worker's own process; N > 0 scores them
     concurrently in N spawned processes per worker. timeout_s_per_row (needs processes; None: no limit but the
     worker's call_timeout_s): a row that runs longer is cut off, its process killed, and treated like a row the
-    function raised on (reward_on_error), counted in reward/num_errors and reward/num_timeouts."""
+    function raised on (reward_on_error), counted in reward/num_errors and reward/num_timeouts. A slow reward
+    (math_verify) without a timeout_s_per_row is scored in processes (at least one) with a limit of
+    `baton.rewards.DEFAULT_TIMEOUT_S_PER_ROW` per row, a row past it scored 0 and counted whatever
+    reward_on_error says (`baton.rewards.scoring_pool`)."""
 
     num_processes_per_worker: int = 0
     timeout_s_per_row: float | None = None

@@ -47,9 +47,10 @@ from baton.workers.weight_sync import probe_batch
 
 @dataclass
 class RolloutRewardConfig:
-    """How the rollout system scores each finished group (in the driver's process, off its event loop): one row
-    after another in a thread (num_processes 0), or concurrently in that many processes of their own, where a row
-    running past timeout_s_per_row is cut off and handled by reward_on_error (see `RewardSettings`)."""
+    """How the rollout system scores each finished group (off the driver's event loop): concurrently in
+    num_processes processes of their own, where a row running past timeout_s_per_row is cut off and handled by
+    reward_on_error (see `RewardSettings`); with num_processes 0, in one process whenever a limit applies (a slow
+    reward's default, or rollout_system.reward_timeout_s per row: see `GroupRewarder`), else in a thread."""
 
     num_processes: int = 0
     timeout_s_per_row: float | None = None
