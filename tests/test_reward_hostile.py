@@ -64,7 +64,7 @@ def raises_planted(response, ground_truth, **fields):
 
 def holds_the_gil(response, ground_truth, **fields):
     if response == "hog":
-        10 ** (10 ** 9)  # minutes of one C call: no thread of this process runs meanwhile
+        sum(range(10 ** 13))  # hours in one C loop that never lets go of the GIL: no other thread of it runs
     return 1.0
 """
 
