@@ -9,6 +9,7 @@ object the loop trains with, so a workflow of them trains as `RLVRPipeline.run()
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import torch
@@ -164,15 +165,17 @@ def keep_informative_groups(batch: DataProto, config: dict):
 
 @node_function(reads=["responses", "response_mask", "ground_truth"], writes=lambda config: [config["column"]])
 def score_with(batch: DataProto, config: dict):
-    """One reward function (`config["reward_fn"]`: a registry name or import path, called with `config["kwargs"]`)
-    on every response, into the float column `config["column"]`: a reward of its own, for a node that combines
-    several (`weighted_sum`). Runs on a compute worker; decodes with the actor's tokenizer."""
-    from baton.rewards import get_reward_fn
+    """One reward function (`config["reward_fn"]`: a registry name or import path, called with `config["kwargs"]`,
+    its settings as reward_kwargs) on every response, into the float column `config["column"]` (a dict reward's
+    "score"): a reward of its own, for a node that combines several (`weighted_sum`). Runs on a compute worker;
+    decodes with the actor's tokenizer. A slow reward (math_verify) is scored in a process of the worker's own with
+    a limit per row (`baton.rewards.scoring_pool`), so no response can freeze the worker."""
+    from baton.rewards import score_rows
 
-    fn, kwargs = get_reward_fn(config["reward_fn"]), dict(config.get("kwargs") or {})
+    routes, pool = _reward(config["reward_fn"], json.dumps(config.get("kwargs") or {}, sort_keys=True))
     texts = _tokenizer(config["tokenizer"]).batch_decode(batch.batch["responses"], skip_special_tokens=True)
-    truths = batch.non_tensor_batch["ground_truth"]
-    scores = [float(fn(text, str(truth), **kwargs)) for text, truth in zip(texts, truths)]
+    truths = [str(truth) for truth in batch.non_tensor_batch["ground_truth"]]
+    scores = score_rows(routes, texts, truths, {}, pool=pool).scores
     column = config["column"]
     return DataProto.from_dict({column: torch.tensor(scores, dtype=torch.float32)}), {
         f"reward/{column}/mean": float(np.mean(scores))}
@@ -188,6 +191,15 @@ def weighted_sum(batch: DataProto, config: dict):
     token_level = torch.zeros(mask.shape, dtype=torch.float32)
     token_level[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = scores * (lengths > 0)
     return DataProto.from_dict({"scores": scores, "token_level_scores": token_level})
+
+
+@functools.lru_cache(maxsize=None)
+def _reward(reward_fn: str, kwargs_json: str):
+    """(RewardRoutes, its scoring pool or None), resolved once per process (a compute worker scores every step)."""
+    from baton.rewards import RewardRoutes, scoring_pool
+
+    routes = RewardRoutes(reward_fn, json.loads(kwargs_json))
+    return routes, scoring_pool(routes)
 
 
 @functools.lru_cache(maxsize=None)
