@@ -40,8 +40,9 @@ class ScoringProcessError(Exception):
 
 @dataclass
 class Outcome:
-    """What scoring one row gave: the function's return value, or the exception it raised, or neither when the row
-    ran past the time limit (`timed_out`)."""
+    """What scoring one row gave: the function's return value (from a scoring process: as plain data, checked
+    there, or `invalid`), or the exception it raised (from a scoring process: a `ScoringProcessError`), or neither
+    when the row ran past the time limit (`timed_out`)."""
 
     value: Any = None
     error: BaseException | None = None
