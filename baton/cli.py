@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -46,6 +47,22 @@ def resolve(config_path: str | None, overrides: list[str]):
     return pipeline_cls, load_config(pipeline_cls.config_cls, config_path, overrides)
 
 
+def temperature(text: str) -> float:
+    """A sampling temperature from the command line: a finite number, at least 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite temperature of at least 0")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number of at least 1 from the command line."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description="Distributed RL post-training of language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -68,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "prints one JSON object per completion.")
     for sub in (evaluate, generate):
         sub.add_argument("checkpoint", help=checkpoint_help)
-        sub.add_argument("--temperature", type=float, default=None, help="default: the run's val_sampling")
-        sub.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's val_sampling")
-        sub.add_argument("--num-samples", type=int, default=None, help="samples per prompt; default: the run's val_sampling")
+        sub.add_argument("--temperature", type=temperature, default=None, help="default: the run's val_sampling")
+        sub.add_argument("--max-new-tokens", type=count, default=None, help="default: the run's val_sampling")
+        sub.add_argument("--num-samples", type=count, default=None, help="samples per prompt; default: the run's val_sampling")
     evaluate.add_argument("--data", default=None, help="a .jsonl or .parquet prompt file (the run's prompt/answer keys); "
                           "default: the run's held-out data")
     evaluate.add_argument("--reward", default=None, help="a reward name or import path; default: the run's reward_fn")

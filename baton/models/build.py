@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import warnings
 from typing import Any
@@ -118,6 +119,19 @@ def model_config(name_or_dict: str | dict[str, Any]) -> Qwen2Config:
             raise ValueError(f"unknown Qwen2Config keys {unknown}; valid keys: {sorted(_CONFIG_KEYS)}")
         check_model_size(kwargs, max_parameters)
     return Qwen2Config(**kwargs)
+
+
+def max_position_embeddings(model: str | dict[str, Any]) -> int | None:
+    """The `max_position_embeddings` of a model (MODEL_CONFIGS name, dict, or HF directory whose config.json states
+    it), else None."""
+    if isinstance(model, dict) or model in MODEL_CONFIGS:
+        return model_config(model).max_position_embeddings
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) else None
 
 
 def build_model(

@@ -124,6 +124,7 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
     """Build the checkpoint's model with the run's rollout settings; overrides replace `val_sampling`'s fields.
     reward: replaces the run's reward_fn; trust_run_dir: import the modules the run's config names from the run
     directory and its recorded directories (`run_config`)."""
+    from baton.models import max_position_embeddings
     from baton.strategy import StrategyConfig
     from baton.strategy.hf import HFStrategy
 
@@ -144,6 +145,11 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
     reward_fn = reward or reward_fn
     overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens, "num_samples_per_prompt": num_samples}
     sampling = dataclasses.replace(sampling, **{k: v for k, v in overrides.items() if v is not None})
+    positions = max_position_embeddings(model_dir)
+    if positions is not None and data.max_prompt_len + sampling.max_new_tokens > positions:
+        raise ValueError(f"max_new_tokens={sampling.max_new_tokens} after prompts of up to data.max_prompt_len="
+                         f"{data.max_prompt_len} tokens passes the model's max_position_embeddings={positions}; "
+                         "lower --max-new-tokens")
     return LoadedPolicy(model_dir, HFStrategy(strategy_config), tokenizer_path, data, sampling, reward_fn,
                         config is not None)
 

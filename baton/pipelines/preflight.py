@@ -54,6 +54,8 @@ def check_roles(config, trainer: TrainerConfig) -> None:
 def check_sequence_lengths(config, roles: dict[str, RoleConfig]) -> None:
     """A prompt of `data.max_prompt_len` tokens and a response of each sampling section's `max_new_tokens` fit every
     model role's `max_position_embeddings` (a registry name, a dict, or a directory's config.json that states it)."""
+    from baton.models import max_position_embeddings
+
     data = getattr(config, "data", None)
     sections = [(key, getattr(config, key)) for key in ("sampling", "val_sampling") if getattr(config, key, None)]
     if not hasattr(data, "max_prompt_len") or not sections:
@@ -61,25 +63,11 @@ def check_sequence_lengths(config, roles: dict[str, RoleConfig]) -> None:
     key, longest = max(sections, key=lambda section: section[1].max_new_tokens)
     length = data.max_prompt_len + longest.max_new_tokens
     for name, role in roles.items():
-        positions = max_positions(role.strategy.model)
+        positions = max_position_embeddings(role.strategy.model)
         if positions is not None and length > positions:
             raise ConfigError(f"data.max_prompt_len={data.max_prompt_len} + {key}.max_new_tokens="
                               f"{longest.max_new_tokens} makes sequences of {length} tokens, more than {name}.strategy."
                               f"model's max_position_embeddings={positions}; lower them")
-
-
-def max_positions(model: str | dict) -> int | None:
-    """The `max_position_embeddings` of a model (registry name, dict, or HF directory); None where it is not stated."""
-    from baton.models import MODEL_CONFIGS, model_config
-
-    if isinstance(model, dict) or model in MODEL_CONFIGS:
-        return model_config(model).max_position_embeddings
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            positions = json.load(f).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None
-    return positions if isinstance(positions, int) and not isinstance(positions, bool) else None
 
 
 def check_devices_per_worker(roles: dict[str, RoleConfig], has_gpus: bool) -> None:
