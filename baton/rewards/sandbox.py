@@ -169,15 +169,17 @@ def parse_tests(label: Any) -> list[str]:
     return list(label)
 
 
-def run_case(code: str, test: str, limits: SandboxLimits = SandboxLimits(), *, _kernel: bool = True) -> CaseResult:
+def run_case(code: str, test: str, limits: SandboxLimits = SandboxLimits(), *, _kernel: bool = True,
+             _audit_hook: bool = True) -> CaseResult:
     """Run `code` then `test` in one sandboxed process (the module docstring says how it is held). Raises
     SandboxUnavailable where the kernel confines no file system and `limits.allow_weak` is not set. `_kernel=False`
-    (for the benchmark's baseline) leaves out every kernel layer but the rlimits and, as root, the privilege drop."""
+    (for the benchmark's baseline) leaves out every kernel layer but the rlimits and, as root, the privilege drop;
+    `_audit_hook=False` (for tests of the kernel layers alone) leaves out the hook."""
     sweep_stale()
     with _slots:
         root = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         try:
-            return _run_in(root, code, test, limits, _kernel)
+            return _run_in(root, code, test, limits, {"kernel": _kernel, "audit_hook": _audit_hook})
         finally:
             shutil.rmtree(root, onerror=_make_removable)
 
@@ -234,16 +236,16 @@ def code_sandbox_all_reward(response: str, ground_truth: Any, **fields) -> float
     return code_sandbox_reward(response, ground_truth, **{**fields, "all_or_nothing": True})
 
 
-def _run_in(root: str, code: str, test: str, limits: SandboxLimits, kernel: bool) -> CaseResult:
+def _run_in(root: str, code: str, test: str, limits: SandboxLimits, layers: dict[str, bool]) -> CaseResult:
     work = os.path.join(root, "work")
     os.mkdir(work, 0o700)
     os.mkdir(os.path.join(root, "fs"), 0o700)  # where the case mounts its minimal root, in its own namespace
     os.chmod(root, 0o711)  # the case may reach its working directory by absolute path, not list what lies beside it
     if os.geteuid() == 0:
         os.chown(work, NOBODY, NOBODY)
-    cgroup = sandbox_cgroup.CaseCgroup(limits.memory_bytes, limits.max_processes) if kernel else None
+    cgroup = sandbox_cgroup.CaseCgroup(limits.memory_bytes, limits.max_processes) if layers["kernel"] else None
     try:
-        result = _run_process(root, work, code, test, limits, kernel, cgroup.procs if cgroup else [])
+        result = _run_process(root, work, code, test, limits, layers, cgroup.procs if cgroup else [])
         if cgroup and cgroup.oom_killed() and result.status != MEMORY:
             return dataclasses.replace(result, status=MEMORY, reason=f"the case's processes together passed "
                                        f"{limits.memory_bytes} bytes and the kernel killed one")
@@ -253,14 +255,14 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits, kernel: bool
             cgroup.remove()
 
 
-def _run_process(root: str, work: str, code: str, test: str, limits: SandboxLimits, kernel: bool,
+def _run_process(root: str, work: str, code: str, test: str, limits: SandboxLimits, layers: dict[str, bool],
                  cgroup_procs: list[str]) -> CaseResult:
     nonce = secrets.token_hex(16)
     verdict_r, verdict_w = os.pipe()
     payload = os.path.join(root, "payload.json")
     with open(os.open(payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         json.dump({"code": code, "test": test, "nonce": nonce, "verdict_fd": verdict_w, "parent_pid": os.getpid(),
-                   "kernel": kernel, "allow_weak": limits.allow_weak, "cgroup_procs": cgroup_procs,
+                   **layers, "allow_weak": limits.allow_weak, "cgroup_procs": cgroup_procs,
                    "new_root": os.path.join(root, "fs"), "limits": asdict(limits)}, f)
     env = {"PATH": _ENV_PATH, "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
     start = time.monotonic()
@@ -290,8 +292,8 @@ def _run_process(root: str, work: str, code: str, test: str, limits: SandboxLimi
     stdout, stderr = (outputs[s][:limits.max_output_bytes].decode(errors="replace")
                       for s in (process.stdout, process.stderr))
     status, reason = _verdict(ended, lines, process.returncode, cpu_time_s, limits)
-    layers = tuple(lines.get("layers", "").split(",")) if lines.get("layers") else ()
-    return CaseResult(status, reason, stdout, stderr, time.monotonic() - start, layers)
+    held = tuple(lines["layers"].split(",")) if lines.get("layers") else ()
+    return CaseResult(status, reason, stdout, stderr, time.monotonic() - start, held)
 
 
 def _keyed_lines(verdict: bytes, nonce: str) -> dict[str, str]:
