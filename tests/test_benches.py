@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 600
 HAS_TRL = importlib.util.find_spec("trl") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "rollout", "strategy"}  # bench/common.py is shared code
+TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "rollout", "sandbox", "strategy"}  # bench/common.py is shared code
 
 
 def run_bench(name: str, tmp_path, *args: str) -> dict:
@@ -162,3 +162,13 @@ def test_dag_bench(tmp_path):
                                           "driver_rss_growth"}
     else:
         assert set(figures["missing"]) == {"multi_controller_ratio", "driver_rss_growth"}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_sandbox_bench(tmp_path):
+    figures = run_bench("sandbox", tmp_path)
+    has_keys(figures, "hardened", "baseline", "throughput_ratio", "cpu_ms_added_per_case", "hardened_layers", "passed")
+    for side in ("hardened", "baseline"):
+        has_keys(figures[side], "cases_per_s", "cpu_ms_per_case", "all_passed")
+        assert figures[side]["all_passed"]
+    assert set(figures["passed"]) == {"hardened_cases_pass"}
