@@ -1,60 +1,31 @@
 """A sandbox reward for code tasks: a response's Python run against a task's tests (asserts), each test case in a
-process of its own with time, memory, output, file-size and process limits, no network, and a temporary working
-directory it cannot see or write past as far as Linux lets an unprivileged process be held.
+process tree of its own, confined by the kernel, with time, memory, output, file and process limits, no network, and
+a working directory that is all it can write. docs/sandbox.md says what holds in each mode and what does not.
 
-What holds, per case (Linux only; `sandbox_child.py` sets it up before the untrusted code runs):
+Per case (Linux; `sandbox_child.py` sets it up before the untrusted code runs, `sandbox_kernel.py` holds the
+kernel calls, `sandbox_cgroup.py` the cgroup):
+- the wall-clock limit `timeout_s`: this process kills the case's PID namespace and session past it, and after
+  every case; the case's outer process also kills its namespace at `timeout_s` + 1 s, and dies with the thread
+  that started it (PR_SET_PDEATHSIG, with a getppid re-check), so a killed scorer takes its cases with it;
+- rlimits: RLIMIT_CPU, RLIMIT_AS (per process), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, no core files;
+- a cgroup, where one is writable: `memory_bytes` over all of the case's processes together (an OOM kill is
+  MEMORY) and `max_processes`;
+- namespaces (a user namespace first when not root): mount, PID, network, IPC, UTS, cgroup; in them a minimal
+  root: a read-only tmpfs holding read-only binds of the stdlib and the shared libraries, four devices, a fresh
+  procfs that shows the case's processes only, and the working directory, a tmpfs of `max_workdir_bytes`;
+- as root the case drops to `nobody`; without root it keeps its uid with no capability left;
+- no_new_privs, Landlock (read the stdlib and libraries, write the working directory; no TCP; no signal to a
+  process outside), a seccomp filter (no ptrace, process_vm_*, non-unix sockets, mounts, namespaces, keyrings,
+  bpf, perf, io_uring, signal handlers);
+- an audit hook in the interpreter as a second line (files outside, `..` paths, outside directory descriptors,
+  sockets, ctypes, _imp and signal, frame access, signals to others; new processes unless the kernel counts them).
+Where neither the minimal root nor Landlock holds, `run_case` raises SandboxUnavailable unless `allow_weak`.
 
-By the kernel, always:
-- wall-clock limit `timeout_s`: the parent kills the case's whole session (`killpg`, SIGKILL) when it runs past it,
-  and after every case, so nothing left in the session outlives it;
-- RLIMIT_CPU (`cpu_time_s`: SIGXCPU, then SIGKILL a second later; a PID namespace's init ignores SIGXCPU, so
-  there the SIGKILL ends it), RLIMIT_AS (`memory_bytes`: allocations fail, a MemoryError), RLIMIT_FSIZE
-  (`max_file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE 0;
-- output: stdout and stderr are pipes the parent reads; past `max_output_bytes` together it kills the case;
-- a fresh temporary working directory, removed after; an environment of PATH, HOME, TMPDIR and LANG only (no
-  inherited secrets); an isolated interpreter (`-I -S -B`: no site-packages, no PYTHON* variables, no .pyc writes).
-
-By the kernel, when the reward runs as root (as this project's machines and CI do):
-- the case drops to `nobody` (uid/gid 65534, no supplementary groups): files not readable by others (mode 0600,
-  /root) cannot be read, and, should the mount namespace below be refused, writes outside its working directory
-  are refused by file permissions except in world-writable directories (/tmp, /dev/shm);
-- RLIMIT_NPROC (`max_processes`) holds, which it does not for root. It counts every process of uid 65534 on the
-  machine, so concurrent cases share it: a fork bomb in one case can make another case's forks fail until it is
-  killed (that case then fails; nothing outside the sandbox does);
-- a mount namespace (private: nothing mounted there reaches the host) in which every mount is read-only (so no
-  write anywhere, world-writable /tmp and /dev/shm included; device nodes such as /dev/null stay writable) but the
-  working directory, a tmpfs of `max_workdir_bytes`: files written there stay in it, capped all together
-  (RLIMIT_FSIZE caps each file), and vanish with it;
-- a network namespace of its own (`unshare(CLONE_NEWNET)`: only a down loopback, so no connection anywhere, local
-  servers included) and a PID namespace whose init is the case: when it exits or is killed, the kernel kills every
-  process in it, even ones that left the session with setsid(); it dies with its parent (PR_SET_PDEATHSIG), and
-  cannot see or signal processes outside. Where unshare is refused (no CAP_SYS_ADMIN), the case runs without them:
-  no network then rests on the hook, and a process that leaves the session (setsid) escapes the kill: RLIMIT_CPU
-  ends it if it computes, a sleeping one lives on.
-
-Only by an audit hook inside the child interpreter (installed before the untrusted code runs; Python-level, so code
-that gets at raw syscalls past it is not stopped, which is why the kernel's limits come first):
-- sockets (every `socket.*` event) and ctypes (import and every `ctypes.*` event) are refused;
-- open() for writing, and remove/rename/mkdir/chmod/symlink/... outside the working directory are refused (the
-  only guard on writes when not root; a symlink swapped between the check and the open can race it);
-- open() for reading and listdir outside the working directory and the stdlib are refused (world-readable files
-  such as /etc/passwd or the project's source are otherwise readable by `nobody`);
-- signals to other processes are refused, and so are the ways to reach the harness's frames (to rewrite the test
-  as it runs, or read the verdict's nonce): sys.settrace/setprofile/_getframe, gc.get_objects/referrers,
-  reading a traceback's, generator's or coroutine's frame, and importing signal (a handler is handed a frame);
-- when not root, new processes (fork, exec, spawn, subprocess) are refused: RLIMIT_NPROC would count all of the
-  user's processes and nothing would stop the code signalling them, so only the hook and the session kill hold.
-
-Not root, then: no privilege drop and no namespaces (unshare needs CAP_SYS_ADMIN), so the file system, the network,
-other processes of the same user and new processes rest on the hook alone; the rlimits and the wall-clock kill
-still hold, RLIMIT_NPROC counting the user's processes and threads on the whole machine (set `max_processes` above
-what the user runs, or a thread the code starts fails).
-
-A case passes only when the child writes its verdict line after the test ran, keyed with a nonce the code is not
-given: exiting early (sys.exit(0), os._exit(0)) or printing a verdict fails. Code that still digs the nonce out of
-the interpreter by a way the hook misses could forge one; and a test `assert f(x) == y` passes
-for an object whose `__eq__` says yes, so write tests that check the type where it matters. Each case costs an
-interpreter start, ~60 ms of CPU with the preloaded modules (`sandbox_child.PRELOADED`) and the namespaces.
+A case passes only when the harness writes its verdict line, keyed with a nonce the code is not given, after the
+test ran; the test is compiled, and everything the harness uses bound, before the code runs, and the test sees the
+builtins as they were, so patching builtins, exiting early or printing a verdict fails. A test `assert f(x) == y`
+passes for an object whose `__eq__` says yes: write tests that check the type where it matters. Each case costs an
+interpreter start, ~35 ms of CPU (bench/sandbox.py).
 """
 
 from __future__ import annotations
@@ -109,11 +80,12 @@ class SandboxLimits:
 
     timeout_s: float = 5.0  # wall clock, the parent kills the case's session past it
     cpu_time_s: int = 5  # RLIMIT_CPU, whole seconds
-    memory_bytes: int = 512 * 2**20  # RLIMIT_AS (address space, per process; the interpreter itself takes ~30 MiB)
+    # RLIMIT_AS per process (the interpreter itself takes ~30 MiB), and the cgroup's cap over all of them together
+    memory_bytes: int = 512 * 2**20
     max_output_bytes: int = 64 * 2**10  # stdout and stderr together; past it the case is killed: output_limit
     max_file_bytes: int = 2**20  # RLIMIT_FSIZE: any file the case writes
-    max_workdir_bytes: int = 16 * 2**20  # all files together, when root: the working directory is a tmpfs this size
-    max_processes: int = 64  # RLIMIT_NPROC for uid `nobody` (when root); see the module docstring
+    max_workdir_bytes: int = 16 * 2**20  # all files together: in the namespaces the working directory is a tmpfs
+    max_processes: int = 64  # the case's pids cgroup, and RLIMIT_NPROC (which counts the uid's processes machine-wide)
     max_open_files: int = 64  # RLIMIT_NOFILE
     allow_weak: bool = False  # score even where the kernel confines no file system (rlimits and the hook only)
 
