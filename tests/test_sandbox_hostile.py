@@ -286,3 +286,10 @@ def test_the_test_sees_the_builtins_as_they_were():
     assert run_case(code, "assert len(f()) == 3").status == FAILED
     assert run_case(code, "assert sorted(f()) == [9]").status == FAILED
     assert run_case(code, "assert len(f()) == 1 and sorted(f()) == [1]").passed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="new processes run where the kernel counts them (root here)")
+def test_only_the_cases_own_process_gives_the_verdict():
+    """A forked child that returns into the harness passes its test, and is ignored: the parent fails."""
+    code = "import os\nif os.fork() == 0:\n    def f(): return 1\nelse:\n    os.wait()\n    def f(): return 0\n"
+    assert run_case(code, "assert f() == 1").status == FAILED

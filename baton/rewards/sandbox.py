@@ -167,7 +167,7 @@ def sweep_stale() -> None:
         temp = tempfile.gettempdir()
         for name in os.listdir(temp):
             pid = name[len(_DIR_PREFIX):].split("-")[0]
-            if name.startswith(_DIR_PREFIX) and pid.isdigit() and not sandbox_cgroup._alive(int(pid)):
+            if name.startswith(_DIR_PREFIX) and pid.isdigit() and sandbox_cgroup.is_stale(int(pid)):
                 shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
         sandbox_cgroup.sweep_stale()
 

@@ -63,7 +63,7 @@ def sweep_stale() -> None:
     for base in _writable_bases():
         for name in os.listdir(base):
             pid = name.split("-")[0]
-            if os.path.isdir(os.path.join(base, name)) and pid.isdigit() and not _alive(int(pid)):
+            if os.path.isdir(os.path.join(base, name)) and pid.isdigit() and is_stale(int(pid)):
                 try:
                     _remove(os.path.join(base, name))
                 except OSError:  # a process of it still lives; the next sweep tries again
@@ -123,6 +123,12 @@ def _remove(path: str) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+def is_stale(pid: int) -> bool:
+    """Whether what scoring process `pid` left is stale: it is gone, or it is this process, which sweeps before its
+    first case (so what it finds under its own pid is a dead process's whose pid it took)."""
+    return pid == os.getpid() or not _alive(pid)
 
 
 def _alive(pid: int) -> bool:

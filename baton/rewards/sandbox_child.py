@@ -216,12 +216,14 @@ def _message(error: BaseException, str=str, BaseException=BaseException) -> str:
 
 def _run(code: str, test: str, verdict_fd: int, nonce: str, write=os.write, exit=os._exit, type=type, str=str,
          dict=dict, vars=vars, exec=exec, compile=compile, BaseException=BaseException,
-         AssertionError=AssertionError, MemoryError=MemoryError, _message=_message,
+         AssertionError=AssertionError, MemoryError=MemoryError, _message=_message, getpid=os.getpid,
          streams=(sys.stdout, sys.stderr)) -> None:
     """Compile the code and its test, then run the code, then the test; write the verdict, `<nonce> <status>
     <reason>`, and exit at once (no atexit handler, no thread of the code's runs after). Everything used after the
     code runs is bound before it (the defaults), and the test runs with the builtins as they were before it (the
-    code cannot patch `exec`, `len` or `__import__` under the test) and without the code's names that shadow one."""
+    code cannot patch `exec`, `len` or `__import__` under the test) and without the code's names that shadow one.
+    Only this process writes a verdict: a process the code forked that returns into the harness exits silently."""
+    harness_pid = getpid()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     clean_builtins = dict(vars(builtins))
     part = "the code"
@@ -253,6 +255,8 @@ def _run(code: str, test: str, verdict_fd: int, nonce: str, write=os.write, exit
         except BaseException:  # a stream past the file-size limit, or closed by the code
             pass
     reason = reason.replace("\n", " ")[:300]
+    if getpid() != harness_pid:
+        exit(0)
     write(verdict_fd, f"{nonce} {status} {reason}\n".encode(errors="replace"))
     exit(0)
 
