@@ -215,7 +215,7 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits, layers: dict
     os.chmod(root, 0o711)  # the case may reach its working directory by absolute path, not list what lies beside it
     if os.geteuid() == 0:
         os.chown(work, NOBODY, NOBODY)
-    cgroup = sandbox_cgroup.CaseCgroup(limits.memory_bytes, limits.max_processes) if layers["kernel"] else None
+    cgroup = sandbox_cgroup.acquire(limits.memory_bytes, limits.max_processes) if layers["kernel"] else None
     try:
         result = _run_process(root, work, code, test, limits, layers, cgroup.procs if cgroup else [])
         if cgroup and cgroup.oom_killed() and result.status != MEMORY:
@@ -224,7 +224,7 @@ def _run_in(root: str, code: str, test: str, limits: SandboxLimits, layers: dict
         return result
     finally:
         if cgroup:
-            cgroup.remove()
+            sandbox_cgroup.release(cgroup)
 
 
 def _run_process(root: str, work: str, code: str, test: str, limits: SandboxLimits, layers: dict[str, bool],
