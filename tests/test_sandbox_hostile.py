@@ -293,3 +293,34 @@ def test_only_the_cases_own_process_gives_the_verdict():
     """A forked child that returns into the harness passes its test, and is ignored: the parent fails."""
     code = "import os\nif os.fork() == 0:\n    def f(): return 1\nelse:\n    os.wait()\n    def f(): return 0\n"
     assert run_case(code, "assert f() == 1").status == FAILED
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_landlock_alone_holds_where_namespaces_are_refused(mode, outside):
+    """A scorer that cannot make namespaces (a seccomp filter of its own refuses them, as some containers do): its
+    cases run on the host's file system under Landlock and seccomp, without the hook, and still reach nothing."""
+    secret = os.path.join(outside, "secret.txt")
+    script = f"""
+import os, sys
+sys.path.insert(0, {os.path.join(REPO, 'baton', 'rewards')!r})
+import sandbox_kernel
+sandbox_kernel.no_new_privs()
+sandbox_kernel.seccomp()
+from baton.rewards.sandbox import run_case
+climb = ("import os\\nfd = os.open('.', os.O_RDONLY)\\nup = '../' * os.getcwd().count('/')\\nos.makedirs('a/b/c')\\n"
+         "os.chdir('a/b/c')\\nprint(os.read(os.open(up + {secret.lstrip('/')!r}, os.O_RDONLY, dir_fd=fd), 100))")
+for code in (climb, "print(open({secret!r}).read())", "print(open({PROJECT_FILE!r}).read())",
+             "open({os.path.join(outside, 'written.txt')!r}, 'w').write('x')",
+             "open('inside', 'w').write('ok'); assert open('inside').read() == 'ok'"):
+    r = run_case(code, "pass", _audit_hook=False)
+    print(r.status, ",".join(r.layers), r.stdout.replace("\\n", " ")[:200])
+"""
+    process = subprocess.run(_scorer_command(mode, script), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = process.stdout.splitlines()
+    assert len(lines) == 5 and SECRET not in process.stdout, process.stdout
+    for line in lines[:4]:
+        status, layers = line.split()[:2]
+        assert status == "error" and "landlock" in layers and "namespaces" not in layers, line
+    assert lines[4].startswith("passed"), lines[4]
+    assert sorted(os.listdir(outside)) == ["keep.txt", "secret.txt"]

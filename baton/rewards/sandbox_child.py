@@ -81,7 +81,10 @@ def main() -> None:
             os._exit(1)
         os.close(alive_r)
     import _signal
-    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # no Python-level handler left for interrupt_main to run
+    try:  # no Python-level handler left for interrupt_main to run (Python's own SIGINT one hands out no frame)
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    except OSError:  # a seccomp filter around the scorer already refuses handlers
+        pass
     if payload["kernel"]:
         kernel.no_new_privs()
         read_only = _read_only_paths(kernel) + [d for d in kernel.DEVICES if d != "/dev/null"]

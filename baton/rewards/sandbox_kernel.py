@@ -76,7 +76,11 @@ def build_root(new_root: str, read_only: list[str], workdir: str, workdir_option
     os.makedirs(new_root + workdir)
     _mount("tmpfs", new_root + workdir, "tmpfs", MS_NOSUID | MS_NODEV, workdir_options)
     os.chdir(new_root)
-    _check(_libc.syscall(_SYSCALLS["pivot_root"], b".", b"."), "pivot_root")  # the old root now lies under "/"
+    try:
+        _check(_libc.syscall(_SYSCALLS["pivot_root"], b".", b"."), "pivot_root")  # the old root now lies under "/"
+    except OSError:
+        os.chdir(workdir)  # the case then runs where it started, under Landlock alone
+        raise
     _check(_libc.umount2(b".", MNT_DETACH), "umount2")
     os.chdir("/")
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
