@@ -324,3 +324,26 @@ for code in (climb, "print(open({secret!r}).read())", "print(open({PROJECT_FILE!
         assert status == "error" and "landlock" in layers and "namespaces" not in layers, line
     assert lines[4].startswith("passed"), lines[4]
     assert sorted(os.listdir(outside)) == ["keep.txt", "secret.txt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="stops a scoring process of its own, found among root's")
+def test_the_case_holds_its_own_wall_limit_while_the_scorer_is_stopped():
+    """The scorer stopped (SIGSTOP) cannot kill the case at its limit; the case's outer process kills its
+    namespace at the limit + 1 s by itself."""
+    scorer = ("from baton.rewards.sandbox import SandboxLimits, run_case\n"
+              "print(run_case('import time\\ntime.sleep(60)', 'pass', SandboxLimits(timeout_s=1.0)).status)\n")
+    process = subprocess.Popen([sys.executable, "-c", scorer], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        cases = []
+        while len(cases) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            cases = psutil.Process(process.pid).children(recursive=True)
+        assert len(cases) >= 2, "the case never started"
+        inner = [p for p in cases if p.ppid() != process.pid]  # the namespace's init (its outer process, the
+        os.kill(process.pid, signal.SIGSTOP)  # scorer's child, stays a zombie until the scorer reaps it)
+        _, alive = psutil.wait_procs(inner, timeout=4.0)
+        assert not alive, f"the case outlived its own wall limit: {alive}"
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    assert process.communicate(timeout=60)[0].strip() == "timeout"
