@@ -342,6 +342,7 @@ def test_the_case_holds_its_own_wall_limit_while_the_scorer_is_stopped():
         assert len(cases) >= 2, "the case never started"
         inner = [p for p in cases if p.ppid() != process.pid]  # the namespace's init (its outer process, the
         os.kill(process.pid, signal.SIGSTOP)  # scorer's child, stays a zombie until the scorer reaps it)
+        assert inner
         _, alive = psutil.wait_procs(inner, timeout=4.0)
         assert not alive, f"the case outlived its own wall limit: {alive}"
     finally:
