@@ -90,6 +90,16 @@ def test_bytes_that_are_not_utf8_are_named_by_line_and_byte_offset(tmp_path):
         PromptDataset.from_file(str(path))
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "\\ud800", "answer": "1"}', "line 2: a lone surrogate"),  # an unpaired escape: not text
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 2: nested too deeply to be a row"),
+])
+def test_a_row_that_is_json_but_not_text_is_an_error_naming_the_line(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "train.jsonl", [GOOD[0], line])
+    with pytest.raises(DataError, match=rf"train\.jsonl, {message}"):
+        PromptDataset.from_file(path)
+
+
 @pytest.mark.parametrize("text", ["", "\n\n  \n"])
 def test_an_empty_file_is_an_error_naming_it(tmp_path, text):
     (tmp_path / "train.jsonl").write_text(text)

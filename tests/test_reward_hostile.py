@@ -167,6 +167,8 @@ def test_reward_kwargs_set_a_rewards_parameters_and_rows_cannot(tmp_path):
         score_rows("format", ["anything"], [""], {"pattern": [".*"]})
     with pytest.raises(ValueError, match="data field 'memory_mb'.*code_sandbox.*reward_kwargs"):
         RewardRoutes("code_sandbox").check_columns({"timeout_s", "memory_mb"})
+    with pytest.raises(ValueError, match="data field 'timeout_s'.*code_sandbox_all"):  # which passes them on
+        RewardRoutes("code_sandbox_all").check_columns({"timeout_s"})
     # With a mapping, the settings go per entry; a key that is no entry, or a parameter no one takes, is refused.
     routes = RewardRoutes({"a": "format", "default": "exact_match"}, {"a": pattern})
     assert score_rows(routes, ["ok", "ok"], ["", "ok"], {"data_source": ["a", "b"]}).scores == [1.0, 1.0]

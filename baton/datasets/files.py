@@ -49,10 +49,19 @@ def _read_jsonl(path: str) -> tuple[list[Any], list[int]]:
             if not text.strip():
                 continue
             try:
-                rows.append(json.loads(text))
+                row = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); each line must "
                                 'hold one JSON object such as {"prompt": "...", "answer": "..."}') from e
+            except RecursionError:
+                raise DataError(f"{path}, line {number}: nested too deeply to be a row; each line must hold one "
+                                'flat JSON object such as {"prompt": "...", "answer": "..."}') from None
+            try:
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError(f"{path}, line {number}: a lone surrogate (an unpaired \\uD800-\\uDFFF escape) is not "
+                                "text; remove it") from None
+            rows.append(row)
             lines.append(number)
     return rows, lines
 

@@ -203,9 +203,13 @@ def code_sandbox_reward(response: str, ground_truth: Any, *, all_or_nothing: boo
 
 
 @register_reward("code_sandbox_all")
-def code_sandbox_all_reward(response: str, ground_truth: Any, **fields) -> float:
-    """`code_sandbox` all or nothing: 1.0 when the response's code passes every test, else 0.0."""
-    return code_sandbox_reward(response, ground_truth, **{**fields, "all_or_nothing": True})
+def code_sandbox_all_reward(response: str, ground_truth: Any, *, timeout_s: float = 5.0, memory_mb: int = 512,
+                            allow_weak: bool = False, **fields) -> float:
+    """`code_sandbox` all or nothing: 1.0 when the response's code passes every test, else 0.0. Its settings are
+    `code_sandbox`'s, declared here so that they come from `reward_kwargs` only: a data field of their name is
+    refused at load, never passed on as a limit."""
+    return code_sandbox_reward(response, ground_truth, all_or_nothing=True, timeout_s=timeout_s, memory_mb=memory_mb,
+                               allow_weak=allow_weak)
 
 
 def _run_in(root: str, code: str, test: str, limits: SandboxLimits, layers: dict[str, bool]) -> CaseResult:
