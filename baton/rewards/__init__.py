@@ -12,7 +12,8 @@ from baton.rewards.routing import (DATA_SOURCE, DEFAULT_ROUTE, Reward, RewardRou
                                    uses_verl_signature)
 from baton.rewards.rules import (exact_match, exact_match_parts, extract_answer, format_reward, math_reward,
                                  normalize_answer)
-from baton.rewards.scoring import PRED, REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, Scores, score_rows
+from baton.rewards.scoring import REWARD_EXTRA_PREFIX, REWARD_ON_ERROR, RewardError, Scores, score_rows
+from baton.rewards.values import PRED
 
 __all__ = ["DATA_SOURCE", "DEFAULT_ROUTE", "DEFAULT_TIMEOUT_S_PER_ROW", "PRED", "REWARDS", "REWARD_EXTRA_PREFIX",
            "REWARD_ON_ERROR", "Reward", "RewardError", "RewardFn", "RewardRoutes", "Scores", "ScoringPool",

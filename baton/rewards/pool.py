@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
 from baton.rewards.routing import RewardRoutes
+from baton.rewards.values import check_value
 
 START_TIMEOUT_S = 300.0  # a process that has not imported the reward functions by then is broken, not slow
 # A slow reward's (`register_reward(..., slow=True)`) limit per row when the config sets none: far above a real
@@ -47,7 +48,7 @@ class Outcome:
     value: Any = None
     error: BaseException | None = None
     timed_out: bool = False
-    invalid: str | None = None  # from a scoring process: why the value is not a reward (see `scoring.check_value`)
+    invalid: str | None = None  # from a scoring process: why the value is not a reward (see `values.check_value`)
 
 
 Task = tuple[str, str, Any, Mapping[str, Any]]  # (route key in RewardRoutes.rewards, response, ground truth, fields)
@@ -259,8 +260,6 @@ def _serve(fd: int) -> None:
     """A scoring process: resolve the rewards sent first, then score the rows sent until the connection closes. Each
     row's result goes back as JSON: {"value": a number or a dict of numbers (and "pred")}, {"invalid": why the
     returned value is not a reward}, or {"error": the exception as text}."""
-    from baton.rewards.scoring import check_value
-
     conn = Connection(fd)
     try:
         spec, kwargs = conn.recv()

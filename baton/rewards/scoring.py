@@ -3,20 +3,15 @@ time limit on, what they return."""
 
 from __future__ import annotations
 
-import math
-import numbers
-import reprlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from baton.rewards.pool import Outcome, ScoringPool, ScoringProcessError, Task
 from baton.rewards.routing import DATA_SOURCE, RewardRoutes
+from baton.rewards.values import PRED, SHORT, split_value
 
 REWARD_ON_ERROR = ("raise", "zero")  # what score_rows does when the function raises on a row
 REWARD_EXTRA_PREFIX = "reward_extra/"  # a dict reward's further fields, as the reward worker's columns "<prefix><key>"
-PRED = "pred"  # verl's field for the extracted answer: a string, the one further field that need not be a number
-_SHORT = reprlib.Repr()  # row values in messages, long ones cut in the middle
-_SHORT.maxstring = _SHORT.maxother = 160
 
 
 class RewardError(RuntimeError):
@@ -91,7 +86,7 @@ def score_rows(rewards: RewardRoutes | str | Mapping[str, str], responses: Seque
         try:
             if outcome.invalid is not None:
                 raise ValueError(outcome.invalid)
-            score, extra = _split(outcome.value)
+            score, extra = split_value(outcome.value)
             first = first_rows.setdefault(key, row)
             _check_same_fields(extra, row, row_fields[first] if first != row else extra, first)
         except ValueError as e:
@@ -129,46 +124,6 @@ def _row_error(name: str, row: int, response: str, truth: Any, fields: dict, out
     return error
 
 
-def check_value(value: Any) -> float | dict[str, Any]:
-    """What a reward function returned, as plain data: a float, or a dict of the score and further fields (floats,
-    "pred" a string or None); ValueError says why it is not a reward. What a scoring process sends back."""
-    score, extra = _split(value)
-    return {"score": score, **extra} if isinstance(value, dict) else score
-
-
-def _split(value: Any) -> tuple[float, dict[str, Any]]:
-    """(score, further fields) of one returned value, each checked to be a finite number ("pred" a string or None);
-    ValueError says why not."""
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise ValueError(f"returned a dict without a 'score' key (its keys: {sorted(value)}); a dict reward holds "
-                             "the reward under 'score'")
-        return (_finite(value["score"], "returned 'score'"),
-                {str(k): _pred(v) if k == PRED else _finite(v, f"returned field {k!r}")
-                 for k, v in value.items() if k != "score"})
-    return _finite(value, "returned"), {}
-
-
-def _pred(value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, numbers.Real):
-        return str(value)
-    raise ValueError(f"returned field 'pred' {_SHORT.repr(value)} (a {type(value).__name__}); 'pred' is the extracted "
-                     "answer that validation's maj@k votes on: a string")
-
-
-def _finite(value: Any, what: str) -> float:
-    try:
-        finite = isinstance(value, numbers.Real) and math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        finite = False
-    if not finite:
-        raise ValueError(f"{what} {_SHORT.repr(value)} (a {type(value).__name__}); a reward must be a finite number "
-                         "(a float), or a dict of them with the reward under 'score' (and a string 'pred')")
-    return float(value)
-
-
 def _check_same_fields(row_extras: dict, row: int, extras: dict, first_row: int) -> None:
     if row_extras.keys() == extras.keys():
         return
@@ -182,8 +137,8 @@ def _check_same_fields(row_extras: dict, row: int, extras: dict, first_row: int)
 def _describe_row(row: int, response: str, truth: Any, fields: dict[str, Any]) -> str:
     lines = [f"  on row {row} of the batch:"]
     if "prompt" in fields:
-        lines.append(f"    prompt:       {_SHORT.repr(fields['prompt'])}")
+        lines.append(f"    prompt:       {SHORT.repr(fields['prompt'])}")
     if DATA_SOURCE in fields:
-        lines.append(f"    data_source:  {_SHORT.repr(fields[DATA_SOURCE])}")
-    lines += [f"    response:     {_SHORT.repr(response)}", f"    ground truth: {_SHORT.repr(truth)}"]
+        lines.append(f"    data_source:  {SHORT.repr(fields[DATA_SOURCE])}")
+    lines += [f"    response:     {SHORT.repr(response)}", f"    ground truth: {SHORT.repr(truth)}"]
     return "\n".join(lines)
