@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -60,6 +63,14 @@ def returns_planted_pred(response, ground_truth, **fields):
 
 def raises_planted(response, ground_truth, **fields):
     raise PlantedError(os.environ["HOSTILE_MARKER"])
+
+
+def starts_a_sleeper(response, ground_truth, **fields):
+    import subprocess
+    sleeper = subprocess.Popen(["sleep", "300"])
+    with open(os.environ["HOSTILE_MARKER"], "w") as f:
+        f.write(str(sleeper.pid))
+    return 1.0
 
 
 def holds_the_gil(response, ground_truth, **fields):
@@ -155,6 +166,60 @@ def test_a_row_holding_the_interpreter_cannot_freeze_the_driver(hostile_module):
         assert max(b - a for a, b in zip(ticks, ticks[1:])) < 2.0  # the loop never stood still
     finally:
         rewarder.close()
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has exited (a zombie counts) within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_scoring_process_leads_its_own_session_and_stopping_it_kills_what_its_reward_started(hostile_module,
+                                                                                                 tmp_path,
+                                                                                                 monkeypatch):
+    marker = tmp_path / "sleeper-pid"
+    monkeypatch.setenv("HOSTILE_MARKER", str(marker))
+    pool = ScoringPool("hostilerewards:starts_a_sleeper", 1)
+    try:
+        assert score_rows("hostilerewards:starts_a_sleeper", ["a"], ["b"], {}, "raise", pool).scores == [1.0]
+        child = pool._children[0].process.pid
+        assert os.getsid(child) == child != os.getsid(0)
+    finally:
+        pool.close()
+    assert gone(child) and gone(int(marker.read_text()))
+
+
+PARENT = """
+import sys, threading, time
+from baton.rewards import ScoringPool
+pool = ScoringPool("hostilerewards:holds_the_gil", 1)
+threading.Thread(target=pool.score, args=([("default", "hog", "1", {})],), daemon=True).start()
+while not pool._children:
+    time.sleep(0.05)
+time.sleep(0.5)  # the row is sent: the scoring process holds its interpreter
+print(pool._children[0].process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_scoring_process_dies_with_its_parent_even_while_a_row_holds_its_interpreter(hostile_module):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hostile_module), *sys.path])}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        child = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    assert gone(child), "the scoring process outlived the process that started it"
 
 
 # --- Why 7: rows cannot set a reward's parameters -----------------------------------------------------------------

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
 import traceback
 import weakref
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
@@ -26,6 +28,9 @@ START_TIMEOUT_S = 300.0  # a process that has not imported the reward functions 
 DEFAULT_TIMEOUT_S_PER_ROW = 5.0
 MAX_MESSAGE_BYTES = 64 * 2**20  # one row's result from a scoring process, at most
 _MAX_ERROR_CHARS = 8000  # of an error's message and of its traceback
+# Starts every scoring process. A child's parent-death signal fires when the *thread* that started it ends, and the
+# rollout system scores from a thread per group: this one lives as long as the interpreter.
+_STARTER = ThreadPoolExecutor(1, thread_name_prefix="baton-scoring-start")
 
 
 class ScoringProcessError(Exception):
@@ -181,7 +186,8 @@ def scoring_pool(routes: RewardRoutes, num_processes: int = 0, timeout_s_per_row
 
 class _Child:
     """One scoring process: `python -c` running `_serve` (not a multiprocessing child, which would import this
-    process's __main__ again), talking over a socket pair."""
+    process's __main__ again), talking over a socket pair. It leads a session of its own, so that stopping it kills
+    whatever the reward function started too (the group), and it is killed when this process dies."""
 
     def __init__(self, process: subprocess.Popen, conn: Connection):
         self.process, self.conn = process, conn
@@ -191,8 +197,9 @@ class _Child:
         parent_end, child_end = multiprocessing.Pipe()
         fd = child_end.fileno()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # import paths as here
-        process = subprocess.Popen([sys.executable, "-c", f"from baton.rewards.pool import _serve; _serve({fd})"],
-                                   pass_fds=[fd], env=env, stdin=subprocess.DEVNULL)
+        command = [sys.executable, "-c", f"from baton.rewards.pool import _serve; _serve({fd}, {os.getpid()})"]
+        process = _STARTER.submit(subprocess.Popen, command, pass_fds=[fd], env=env, stdin=subprocess.DEVNULL,
+                                  start_new_session=True).result()
         child_end.close()
         parent_end.send((spec, kwargs))
         return cls(process, parent_end)
@@ -216,8 +223,10 @@ class _Child:
 
     def stop(self) -> None:
         self.conn.close()
-        if self.process.poll() is None:
-            self.process.kill()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the process and what it started, even after it exited
+        except (ProcessLookupError, PermissionError):  # the group is gone (or its pid reused outside it)
+            pass
         self.process.wait(5)
 
 
@@ -256,10 +265,16 @@ def _cut(text: str) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else f"{text[:half]} [...] {text[-half:]}"
 
 
-def _serve(fd: int) -> None:
+def _serve(fd: int, parent_pid: int) -> None:
     """A scoring process: resolve the rewards sent first, then score the rows sent until the connection closes. Each
     row's result goes back as JSON: {"value": a number or a dict of numbers (and "pred")}, {"invalid": why the
-    returned value is not a reward}, or {"error": the exception as text}."""
+    returned value is not a reward}, or {"error": the exception as text}. Killed when `parent_pid` dies, even while
+    a row holds the interpreter."""
+    from baton.rewards.sandbox_kernel import set_parent_death_signal
+
+    set_parent_death_signal()
+    if os.getppid() != parent_pid:  # it died before the signal was set
+        return
     conn = Connection(fd)
     try:
         spec, kwargs = conn.recv()
