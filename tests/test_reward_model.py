@@ -105,6 +105,10 @@ def test_rlvr_trains_on_the_reward_function_plus_the_weighted_model_score(tmp_pa
     assert "reward_model/score/mean" in last and "actor/pg_loss" in last
     # exact_match scores 0 on the untrained model, so the step's score is the model's, halved.
     assert last["critic/score/mean"] == pytest.approx(0.5 * last["reward_model/score/mean"], abs=1e-6)
+    low, mean, high = (last[f"reward_model/score/{k}"] for k in ("min", "mean", "max"))
+    assert low <= mean <= high and last["reward_model/score/std"] >= 0
+    if kind == "generative":  # an answer's length, within [min_score, max_score]
+        assert 0 <= low and high <= 100
 
 
 def test_reward_model_settings_are_checked():

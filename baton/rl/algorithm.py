@@ -180,8 +180,8 @@ def advantage_columns(batch: DataProto, algo: AlgorithmConfig, reward_fn, kl_coe
 
 def add_model_scores(batch: DataProto, scored: DataProto, weight: float) -> tuple[DataProto, dict]:
     """`batch` with `weight` × the reward model's `rm_scores` added to `scores` and to the last response token of
-    `token_level_scores` (kept as `reward_extra/reward_model`), and its metrics: reward_model/score/mean and the
-    judge's own (summed over its workers)."""
+    `token_level_scores` (kept as `reward_extra/reward_model`), and its metrics: the scores' distribution over the
+    batch (reward_model/score/mean, std, min, max) and the judge's own counts (summed over its workers)."""
     data = batch.batch
     model_scores = scored.batch["rm_scores"].float()
     lengths = data["response_mask"].long().sum(-1)
@@ -190,7 +190,9 @@ def add_model_scores(batch: DataProto, scored: DataProto, weight: float) -> tupl
     data["token_level_scores"][rows, lengths[lengths > 0] - 1] += weight * model_scores[lengths > 0]
     data["scores"] = data["scores"] + weight * model_scores
     data[REWARD_EXTRA_PREFIX + "reward_model"] = model_scores
-    metrics = {"reward_model/score/mean": float(model_scores.mean())}
+    metrics = {"reward_model/score/mean": float(model_scores.mean()),
+               "reward_model/score/std": float(model_scores.std(unbiased=False)),
+               "reward_model/score/min": float(model_scores.min()), "reward_model/score/max": float(model_scores.max())}
     metrics.update({k: float(np.sum(v)) for k, v in scored.meta_info.get("metrics", {}).items()
                     if k.startswith("reward_model/")})
     return batch, metrics
