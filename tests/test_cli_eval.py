@@ -85,6 +85,24 @@ def test_eval_data_reward_and_sampling_overrides(run_dir, capsys, tmp_path):
     assert code != 0 and "no_such_reward" in err
 
 
+def test_eval_calls_the_runs_reward_with_its_reward_kwargs(run_dir, capsys, tmp_path):
+    import shutil
+
+    import yaml
+
+    copy = tmp_path / "runs" / "sft"
+    shutil.copytree(run_dir, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    for pattern, accuracy in (("^NEVER$", 0.0), (".*", 1.0)):
+        config.update(reward_fn="format", reward_kwargs={"pattern": pattern})
+        (copy / "config.yaml").write_text(yaml.safe_dump(config))
+        result = evaluate(capsys, str(copy))
+        assert (result["reward_fn"], result["accuracy"]) == ("format", accuracy)
+    # --reward replaces the run's reward and its settings, which were that reward's
+    assert evaluate(capsys, str(copy), "--reward", "exact_match")["accuracy"] == logged_validation(run_dir)[40][
+        "val/accuracy"]
+
+
 def test_generate_prints_the_completions_eval_scores(run_dir, capsys, tmp_path):
     checkpoint = str(run_dir / "checkpoints" / "step_40")
     _, val = arithmetic_splits(DATA.max_operand, DATA.ops, DATA.num_val_examples, DATA.seed)

@@ -117,12 +117,13 @@ class LoadedPolicy:
     sampling: SamplingConfig
     reward_fn: str | dict[str, str]  # a reward, or one per data_source
     from_run_config: bool
+    reward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's, for its own reward_fn
 
 
 def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: int | None = None,
                 num_samples: int | None = None, reward: str | None = None, trust_run_dir: bool = False) -> LoadedPolicy:
     """Build the checkpoint's model with the run's rollout settings; overrides replace `val_sampling`'s fields.
-    reward: replaces the run's reward_fn; trust_run_dir: import the modules the run's config names from the run
+    reward: replaces the run's reward_fn (and drops its reward_kwargs, which were its reward's); trust_run_dir: import the modules the run's config names from the run
     directory and its recorded directories (`run_config`)."""
     from baton.models import max_position_embeddings
     from baton.strategy import StrategyConfig
@@ -135,6 +136,7 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
         tokenizer_path = model_dir if has_tokenizer else None
         strategy_config = StrategyConfig(model=model_dir, tokenizer=tokenizer_path)
         data, sampling, reward_fn = DataConfig(), SamplingConfig(temperature=0.0, num_samples_per_prompt=1), "exact_match"
+        reward_kwargs = {}
     else:
         role = getattr(config, "rollout", None) or config.actor  # what generated during the run's validation
         tokenizer_path = role.strategy.tokenizer
@@ -142,7 +144,9 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
         data = getattr(config, "data", None) or DataConfig()
         sampling = getattr(config, "val_sampling", None) or SamplingConfig(temperature=0.0, num_samples_per_prompt=1)
         reward_fn = getattr(config, "reward_fn", "exact_match")
-    reward_fn = reward or reward_fn
+        reward_kwargs = dict(getattr(config, "reward_kwargs", None) or {})
+    if reward is not None:
+        reward_fn, reward_kwargs = reward, {}
     overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens, "num_samples_per_prompt": num_samples}
     sampling = dataclasses.replace(sampling, **{k: v for k, v in overrides.items() if v is not None})
     positions = max_position_embeddings(model_dir)
@@ -151,27 +155,32 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
                          f"{data.max_prompt_len} tokens passes the model's max_position_embeddings={positions}; "
                          "lower --max-new-tokens")
     return LoadedPolicy(model_dir, HFStrategy(strategy_config), tokenizer_path, data, sampling, reward_fn,
-                        config is not None)
+                        config is not None, reward_kwargs)
 
 
 def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str | None = None) -> dict:
     """Accuracy, pass@k (with several samples per prompt: `pass@2`, `pass@4`, … `pass@{n}`) and mean reward of
     `policy` on the run's held-out data (or the prompt file `data_path`), and verl's val-core metrics of each data
-    source ("val-core": {"<data_source>/reward/mean@{n}": ..., ...}), as the run logged them."""
+    source ("val-core": {"<data_source>/reward/mean@{n}": ..., ...}), as the run logged them. The run's reward_fn is
+    called with its reward_kwargs (a `reward_fn` given here, with none); no data field may set one."""
     from baton.datasets.load import load_datasets, load_prompt_file
     from baton.pipelines.policy import validate
+    from baton.rewards import RewardRoutes
     from baton.workers import RewardWorker
 
+    reward_kwargs = policy.reward_kwargs if reward_fn is None else {}
+    reward_fn = reward_fn or policy.reward_fn
+    routes = RewardRoutes(reward_fn, reward_kwargs)
     if data_path is not None:
-        val = load_prompt_file(policy.data, data_path, policy.strategy.tokenizer)
+        val = load_prompt_file(policy.data, data_path, policy.strategy.tokenizer, routes)
     else:
-        _, val, _ = load_datasets(policy.data, policy.tokenizer_path)
+        _, val, _ = load_datasets(policy.data, policy.tokenizer_path, routes)
         if val is None:
             raise ValueError(f"the run of {policy.model_dir} has no held-out data (data.val_path is unset); "
                              "pass --data PATH.jsonl")
-    reward_fn = reward_fn or policy.reward_fn
-    metrics = validate(policy.strategy, RewardWorker(reward_fn, policy.tokenizer_path), val, policy.strategy.tokenizer,
-                       policy.sampling, policy.data.max_prompt_len)
+    worker = RewardWorker(reward_fn, policy.tokenizer_path, reward_kwargs=reward_kwargs)
+    metrics = validate(policy.strategy, worker, val, policy.strategy.tokenizer, policy.sampling,
+                       policy.data.max_prompt_len)
     pass_at_k = {key.removeprefix("val/"): value for key, value in metrics.items() if key.startswith("val/pass@")}
     return {"checkpoint": policy.model_dir, "accuracy": metrics["val/accuracy"], **pass_at_k,
             "mean_reward": metrics["val/reward/mean"], "mean_response_length": metrics["val/response_length/mean"],
