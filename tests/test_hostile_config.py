@@ -182,6 +182,9 @@ CASES = {
                               "actor.strategy.model's max_position_embeddings=256"),
     "absurd max_prompt_len": ("c.yaml", RLVR + "data: {max_prompt_len: 1000000000}\n", "data.max_prompt_len=1000000000 + "),
     "data not utf-8": ("c.yaml", RLVR + "data: {task: files, train_path: bad.jsonl}\n", "bad.jsonl, line 2: the byte b'\\xff'"),
+    "step past the data": ("c.yaml", RLVR.replace("}", ", num_prompts_per_step: 4}") +
+                           "data: {task: files, train_path: two.jsonl}\n",
+                           "trainer.num_prompts_per_step=4 is more than the 2 prompts of the training data"),
 }
 
 
@@ -198,6 +201,7 @@ def refused(tmp_path_factory) -> dict[tuple[str, str], tuple[subprocess.Complete
         cwd = tmp_path_factory.mktemp("case")
         (cwd / file_name).write_bytes(text.encode() if isinstance(text, str) else text)
         (cwd / "bad.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "1"}\n')
+        (cwd / "two.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3"}\n')
         before = sorted(os.listdir(cwd))
         start = time.monotonic()
         done = baton(command, file_name, cwd=cwd)

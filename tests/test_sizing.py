@@ -23,9 +23,10 @@ class Threads(Worker):
         return {"torch": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}
 
 
-def test_a_local_ray_gets_the_cores_this_process_may_use(monkeypatch):
+def test_a_local_ray_gets_the_cores_this_process_may_use(monkeypatch, tmp_path):
     import ray
 
+    monkeypatch.setenv("HOME", str(tmp_path))  # start_ray writes Ray's token where Ray would: not in the real home
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))

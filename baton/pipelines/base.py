@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baton.config import dump_yaml, import_object, record_import_dirs, to_dict
+from baton.config import ConfigError, dump_yaml, import_object, record_import_dirs, to_dict
 from baton.datasets import PromptSampler
 from baton.distributed import Cluster, LayoutError, ResourceManager, WorkerSpec, create_clusters_parallel
 from baton.distributed.heap import frozen_heap
@@ -98,7 +98,18 @@ class Pipeline:
         if hasattr(config, "check"):
             config.check()
         check_roles(config, config.trainer)
-        return cls.load_data(config)
+        train, val, tokenizer = cls.load_data(config)
+        per_step = getattr(config.trainer, "num_prompts_per_step", None)
+        if train is not None and per_step is not None and per_step > cls.num_train_prompts(train):
+            raise ConfigError(f"trainer.num_prompts_per_step={per_step} is more than the {cls.num_train_prompts(train)} "
+                              "prompts of the training data: a step would take a prompt twice; lower "
+                              "trainer.num_prompts_per_step or add data")
+        return train, val, tokenizer
+
+    @classmethod
+    def num_train_prompts(cls, train) -> int:
+        """How many prompts the training data holds (a step takes trainer.num_prompts_per_step of them)."""
+        return len(train)
 
     @classmethod
     def load_data(cls, config):

@@ -178,7 +178,7 @@ class DPOPipeline(Pipeline):
     def __init__(self, config: DPOConfig):
         config = config.with_run_schedules()
         super().__init__(config, config.trainer)
-        self.sampler = PromptSampler(len(self.train_data) // 2, seed=config.trainer.seed)  # over pairs
+        self.sampler = PromptSampler(self.num_train_prompts(self.train_data), seed=config.trainer.seed)  # over pairs
         # Validation generates with an hf rollout that shares (or receives) the actor's weights, as in SFT.
         rollout = validation_rollout(config.actor)
         colocate = can_share_weights(config.actor.strategy.name, rollout.strategy.name)
@@ -203,6 +203,10 @@ class DPOPipeline(Pipeline):
         self.share_devices([["reference"], ["actor"], ["rollout"]],
                            never_offloaded=FUSED_POLICY["policy"] if colocate else ())
         self.maybe_resume()
+
+    @classmethod
+    def num_train_prompts(cls, train) -> int:
+        return len(train) // 2  # a pair is two rows
 
     @classmethod
     def load_data(cls, config: DPOConfig):
