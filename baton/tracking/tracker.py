@@ -76,6 +76,20 @@ def read_metrics(path: str) -> list[dict[str, float]]:
     return records
 
 
+WALL_CLOCK_PREFIXES = ("timing_s/", "perf/")  # metrics that measure the machine, not the run: differ run to run
+
+
+def run_metrics(run_dir: str, *, wall_clock: bool = False) -> dict[int, dict[str, float]]:
+    """The metrics a run logged (its `metrics.jsonl`), by step: each step's records merged in the order they were
+    written (validation and training records of one step in one dict). wall_clock: keep the timings and throughputs
+    (`WALL_CLOCK_PREFIXES`), which no two runs share."""
+    steps: dict[int, dict[str, float]] = {}
+    for record in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
+        kept = record if wall_clock else {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK_PREFIXES)}
+        steps.setdefault(int(record["step"]), {}).update(kept)
+    return steps
+
+
 def keep_records_until(path: str, step: int) -> None:
     """Rewrite `path` (atomically) with only its records of steps <= `step`."""
     if not os.path.isfile(path):
