@@ -4,9 +4,6 @@ training two steps with each, its score the reward function's plus the weighted 
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -18,6 +15,7 @@ from baton.pipelines.config import (DataConfig, RewardModelSettings, RLVRConfig,
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.datasets.load import load_datasets
 from baton.strategy import SamplingParams, StrategyConfig, create_strategy
+from baton.tracking import run_metrics
 from baton.workers.reward_model import JudgeWorker, RewardModelWorker, first_number, last_token_values
 
 THIS = "test_reward_model"
@@ -81,6 +79,12 @@ def never_parses(text: str) -> float:
     raise ValueError("unparseable")
 
 
+def length_reward(response: str, ground_truth: str, **fields) -> dict[str, float]:
+    """A reward function that is not 0 on the untrained model; its score is logged again as reward/length/mean."""
+    length = 1.0 + len(response.strip())
+    return {"score": length, "length": length}
+
+
 def tiny(run_dir, reward_model, settings=None, **fields) -> RLVRConfig:
     role = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"))
     return RLVRConfig(actor=role, rollout=role, colocate_actor_rollout=True, reward_model=reward_model,
@@ -94,17 +98,18 @@ def tiny(run_dir, reward_model, settings=None, **fields) -> RLVRConfig:
 @pytest.mark.parametrize("kind", ["scalar", "generative"])
 def test_rlvr_trains_on_the_reward_function_plus_the_weighted_model_score(tmp_path, kind):
     if kind == "scalar":
-        config = tiny(tmp_path, RoleConfig(strategy=VALUE), RewardModelSettings(weight=0.5))
+        config = tiny(tmp_path, RoleConfig(strategy=VALUE), RewardModelSettings(weight=0.5),
+                      reward_fn=f"{THIS}:length_reward")
     else:
         config = tiny(tmp_path, RoleConfig(strategy=StrategyConfig(model="tiny-qwen2")),
                       RewardModelSettings(type="generative", weight=0.5, parse_fn=f"{THIS}:length_score",
-                                          max_new_tokens=2, max_score=100.0))
+                                          max_new_tokens=2, max_score=100.0), reward_fn=f"{THIS}:length_reward")
     run_pipeline(RLVRPipeline, config)
-    records = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
-    last = records[-1]
-    assert "reward_model/score/mean" in last and "actor/pg_loss" in last
-    # exact_match scores 0 on the untrained model, so the step's score is the model's, halved.
-    assert last["critic/score/mean"] == pytest.approx(0.5 * last["reward_model/score/mean"], abs=1e-6)
+    last = run_metrics(str(tmp_path))[2]
+    assert "actor/pg_loss" in last
+    assert last["reward/length/mean"] >= 1.0  # the reward function's term, not 0
+    assert last["critic/score/mean"] == pytest.approx(last["reward/length/mean"] + 0.5 * last["reward_model/score/mean"],
+                                                      abs=1e-5)
     low, mean, high = (last[f"reward_model/score/{k}"] for k in ("min", "mean", "max"))
     assert low <= mean <= high and last["reward_model/score/std"] >= 0
     if kind == "generative":  # an answer's length, within [min_score, max_score]
