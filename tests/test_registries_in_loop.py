@@ -29,7 +29,10 @@ def registered():
 
 
 def test_a_new_estimator_that_needs_a_critic_gets_one(tmp_path, registered):
+    calls = []
+
     def my_gae(token_level_rewards, values, response_mask, gamma=1.0, lam=1.0):
+        calls.append(tuple(values.shape))
         return gae(token_level_rewards, values, response_mask, gamma, lam)
 
     registered("my_gae", my_gae, EstimatorNeeds(critic=True))
@@ -38,11 +41,15 @@ def test_a_new_estimator_that_needs_a_critic_gets_one(tmp_path, registered):
     critic = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", kind="value", optimizer=OptimizerConfig(lr=1e-3)))
     run_pipeline(RLVRPipeline, tiny_rlvr(tmp_path, num_steps=1, critic=critic,
                                          algorithm=AlgorithmConfig(adv_estimator="my_gae")))
+    assert calls == [(16, 3)]  # called once, on the critic's values: 4 prompts × 4 samples, 3 response tokens
     assert metrics_of(tmp_path)[0]["critic/vf_loss"] > 0  # a critic was built, valued and trained
 
 
 def test_a_new_estimator_that_needs_groups_is_checked_and_watched(tmp_path, registered):
+    calls = []
+
     def my_grpo(token_level_rewards, response_mask, index):
+        calls.append(len(set(index.tolist())))
         return grpo(token_level_rewards, response_mask, index)
 
     registered("my_grpo", my_grpo, EstimatorNeeds(groups=True))
@@ -52,6 +59,7 @@ def test_a_new_estimator_that_needs_groups_is_checked_and_watched(tmp_path, regi
         RLVRPipeline.dry_run(config)
     config.sampling.num_samples_per_prompt = 4
     run_pipeline(RLVRPipeline, config)
+    assert calls == [4]  # called once, with the step's 4 groups
     assert "critic/frac_reward_zero_std" in metrics_of(tmp_path)[0]  # the group estimators' signal watch runs
 
 
