@@ -232,7 +232,9 @@ class RolloutProducer:
                 raise ValueError(f"{group[0].where()}'s group holds tokens {max(s.staleness(trained_version) for s in group)} "
                                  f"versions older than the weights it would train (max_staleness="
                                  f"{self.config.max_staleness}); a rollout function must leave such groups out")
-        samples = [sample for group in groups for sample in group]
+        # In the data's order, not the order the engines finished in: mini-batches split the batch alike run to run.
+        groups = sorted(groups, key=lambda group: group[0].group_index)
+        samples = [sample for group in groups for sample in sorted(group, key=lambda s: s.sample_index)]
         staleness = np.array([s.staleness(trained_version) for s in samples])
         batch = samples_to_data(samples, self.tokenizer.pad_token_id, temperature)
         return batch, {"rollout/staleness/mean": float(staleness.mean()), "rollout/staleness/max": float(staleness.max()),
