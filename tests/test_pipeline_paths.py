@@ -3,6 +3,8 @@ epochs and mini-batches (the old log-prob pass), weight sync every k steps; and 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from baton.algorithms import (ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs, policy_loss_spec,
+                              register_adv_estimator)
 from baton.cli import resolve
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, RoleConfig, SamplingConfig, TrainerConfig
@@ -96,23 +100,84 @@ TWO_STEP_DEMO = ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=2", "data.ma
                  "rlvr.sampling.num_samples_per_prompt=2"]
 
 
-@pytest.mark.parametrize("name", ["ppo.yaml", "dapo.yaml", "dr_grpo.yaml", "gspo.yaml", "remax.yaml", "gdpo.yaml"])
-def test_the_algorithm_examples_run_for_two_steps_with_their_settings(tmp_path, name):
+@pytest.fixture
+def spied() -> list[tuple[str, str, dict]]:
+    """Every advantage estimator and policy loss wrapped, for one test, to record each call: (kind, name, keyword
+    arguments). Only a call with the local backend (in this process) is seen."""
+    calls: list[tuple[str, str, dict]] = []
+
+    def recording(kind: str, name: str, fn):
+        @functools.wraps(fn)  # the signature stays the function's: compute_advantages passes what it names
+        def wrapper(*args, **kwargs):
+            calls.append((kind, name, kwargs))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    estimators = {name: (ADV_ESTIMATORS.get(name), estimator_needs(name)) for name in ADV_ESTIMATORS.names()}
+    losses = {name: policy_loss_spec(name) for name in POLICY_LOSSES.names()}
+    registered = {name: ADV_ESTIMATORS.pop(name) for name in estimators}, {
+        name: POLICY_LOSSES.pop(name) for name in losses}
+    for name, (fn, needs) in estimators.items():
+        register_adv_estimator(name, needs)(recording("estimator", name, fn))
+    for name, spec in losses.items():
+        POLICY_LOSSES[name] = dataclasses.replace(spec, fn=recording("policy_loss", name, spec.fn))
+    yield calls
+    for registry, entries in zip((ADV_ESTIMATORS, POLICY_LOSSES), registered):
+        for name, entry in entries.items():
+            registry.pop(name)
+            registry[name] = entry
+
+
+# What each example's path runs, per step: its estimator with these arguments, its policy loss with these.
+EXAMPLE_PATHS = {
+    "ppo.yaml": ("gae", {"gamma": 1.0, "lam": 1.0}, "vanilla", {"loss_agg_mode": "token-mean"}),
+    "dapo.yaml": ("grpo", {"norm_adv_by_std": True}, "vanilla",
+                  {"loss_agg_mode": "token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.28}),
+    "dr_grpo.yaml": ("grpo", {"norm_adv_by_std": False}, "vanilla",
+                     {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 6.0}),
+    "gspo.yaml": ("grpo", {"norm_adv_by_std": True}, "gspo",
+                  {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}),
+    "remax.yaml": ("remax", {}, "vanilla", {"loss_agg_mode": "token-mean"}),
+    "gdpo.yaml": ("gdpo", {"reward_weights": [0.2, 1.0]}, "vanilla",
+                  {"loss_agg_mode": "token-mean"}),
+}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLE_PATHS))
+def test_the_algorithm_examples_run_for_two_steps_with_their_settings(tmp_path, name, spied):
     pipeline_cls, config = resolve(os.path.join(EXAMPLES, name), [*TWO_STEP_DEMO, f"run_dir={tmp_path}"])
     summary = run_pipeline(pipeline_cls, config)
     assert summary["rlvr"]["num_steps"] == 2
     wanted = yaml.safe_load(open(os.path.join(EXAMPLES, name)))["rlvr"]["algorithm"]
     ran = yaml.safe_load(open(tmp_path / "rlvr" / "config.yaml"))["algorithm"]
     assert {k: ran[k] for k in wanted} == wanted  # the stage ran with the example's settings
+    estimator, estimator_args, policy_loss, loss_args = EXAMPLE_PATHS[name]
+    estimated = [(n, kwargs) for kind, n, kwargs in spied if kind == "estimator"]
+    assert [n for n, _ in estimated] == [estimator] * 2  # once a step, the example's estimator
+    for _, kwargs in estimated:
+        assert {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items() if k in estimator_args} == (
+            estimator_args)
+    losses = [(n, kwargs) for kind, n, kwargs in spied if kind == "policy_loss"]
+    assert losses and {n for n, _ in losses} == {policy_loss}  # every update ran the example's policy loss
+    for _, kwargs in losses:
+        assert {k: kwargs[k] for k in loss_args} == loss_args
     records = metrics_of(tmp_path / "rlvr")
-    assert len(records) == 2 and all(r["actor/grad_norm"] >= 0 for r in records)
+    assert len(records) == 2
+    for record, (_, kwargs) in zip(records, estimated):
+        if name == "ppo.yaml":  # GAE ran on the critic's values, and the critic was trained
+            assert tuple(kwargs["values"].shape) == tuple(kwargs["response_mask"].shape)
+            assert record["critic/vf_loss"] > 0
+        if name == "remax.yaml":  # the greedy baseline was generated, scored and given to the estimator
+            assert "timing_s/gen_max" in record
+            assert float(kwargs["reward_baselines"].mean()) == pytest.approx(record["critic/baseline_score/mean"])
+        if name == "gdpo.yaml":  # the reward's parts, in gdpo_reward_keys' order, reached the estimator and metrics
+            parts = kwargs["reward_components"]  # [rows, 2]: format, correct
+            assert parts.shape[1] == 2
+            assert float(parts[:, 0].mean()) == pytest.approx(record["reward/format/mean"])
+            assert float(parts[:, 1].mean()) == pytest.approx(record["reward/correct/mean"]) == record["critic/score/mean"]
     if name == "ppo.yaml":
         assert (tmp_path / "rlvr" / "checkpoints" / "step_2" / "critic").is_dir()
-    if name == "remax.yaml":  # the greedy baseline was generated and scored
-        assert all("timing_s/gen_max" in r and 0 <= r["critic/baseline_score/mean"] <= 1 for r in records)
-    if name == "gdpo.yaml":  # the reward's parts reached the metrics; its score is the "correct" part
-        assert all(0 <= r["reward/format/mean"] <= 1 and r["reward/correct/mean"] == r["critic/score/mean"]
-                   for r in records)
 
 
 def test_the_transform_example_runs(tmp_path):
