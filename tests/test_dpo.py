@@ -24,6 +24,8 @@ from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, TrainerConfig
 from baton.pipelines.dpo import DPOConfig, DPOLoss, DPOPipeline, PairDataConfig, PreferenceConfig
 from baton.strategy import StrategyConfig
+from baton.tracking import read_metrics, run_metrics
+from test_pipeline_paths import weights
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 X = 99.0  # on masked tokens: a value that must not count
@@ -282,7 +284,7 @@ def test_the_pipeline_runs_two_steps_and_writes_both_accuracies(tmp_path, small_
     finally:
         pipeline.shutdown()
     run_dir = tmp_path / "run"
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     for key in ("dpo/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                 "logps/chosen", "logps/rejected", "actor/grad_norm", "actor/lr", "timing_s/update_actor"):
@@ -298,15 +300,24 @@ def test_the_pipeline_runs_two_steps_and_writes_both_accuracies(tmp_path, small_
 
 
 def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(tmp_path, small_pairs):
-    straight = tiny_dpo(tmp_path / "a", small_pairs, num_steps=3, val_every_steps=3, save_every_steps=1)
-    run_pipeline(DPOPipeline, straight)
-    first = tiny_dpo(tmp_path / "b", small_pairs, num_steps=1, val_every_steps=3, save_every_steps=1)
-    run_pipeline(DPOPipeline, first)
-    run_pipeline(DPOPipeline, tiny_dpo(tmp_path / "b", small_pairs, num_steps=3, val_every_steps=3, save_every_steps=1,
-                                       resume="latest"))
-    losses = [{r["step"]: r.get("dpo/loss") for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl"))}
-              for d in ("a", "b")]
-    assert losses[1][3] == losses[0][3] and losses[1][2] == losses[0][2]
+    def dpo(name: str, num_steps: int, **trainer) -> str:
+        run_pipeline(DPOPipeline, tiny_dpo(tmp_path / name, small_pairs, num_steps=num_steps, val_every_steps=3,
+                                           save_every_steps=1, **trainer))
+        return str(tmp_path / name / "run")
+
+    straight = dpo("a", num_steps=3)
+    dpo("b", num_steps=1)
+    resumed = dpo("b", num_steps=3, resume="latest")
+    expected, got = run_metrics(straight), run_metrics(resumed)
+    assert sorted(got) == sorted(expected) == [0, 1, 2, 3]
+    assert "dpo/loss" in expected[3] and "val/accuracy" in expected[3]
+    # Every metric, bit for bit; at step 1 the stopped run also validated (its last step), the straight one did not.
+    assert {k: got[1][k] for k in expected[1]} == expected[1] and set(got[1]) - set(expected[1]) == {
+        k for k in got[1] if k.startswith(("val/", "val-core/"))}
+    assert [got[step] for step in (0, 2, 3)] == [expected[step] for step in (0, 2, 3)]
+    for step in (2, 3):  # the weights the steps after the resume saved
+        before, after = weights(straight, step, "actor"), weights(resumed, step, "actor")
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), step
 
 
 def test_pairs_on_held_out_prompts_are_refused(tmp_path):
@@ -345,11 +356,11 @@ def test_the_demo_runs_sft_then_dpo_from_its_checkpoint_and_a_resume_skips_the_f
     written = json.load(open(tmp_path / "demo" / "summary.json"))
     assert written["start_val_accuracy"] == written["sft_val_accuracy"] == summary["sft"]["final_val_accuracy"]
     assert written["final_val_accuracy"] == summary["dpo"]["final_val_accuracy"] is not None
-    first = json.loads(open(tmp_path / "demo" / "dpo" / "metrics.jsonl").readline())  # the DPO stage's first record
+    first = read_metrics(str(tmp_path / "demo" / "dpo" / "metrics.jsonl"))[0]  # the DPO stage's first record
     assert first["step"] == 0 and first["val/accuracy"] == written["sft_val_accuracy"]
     dpo_model = resolve(os.path.join(tmp_path, "demo", "dpo", "config.yaml"), [])[1].actor.strategy.model
     assert dpo_model.endswith(os.path.join("sft", "checkpoints", "step_2", "actor"))
     sft_metrics = (tmp_path / "demo" / "sft" / "metrics.jsonl").read_text()
     DPODemoPipeline(resolve(example, settings[:-1] + ["dpo.trainer.num_steps=3", "resume=latest"])[1]).run()
     assert (tmp_path / "demo" / "sft" / "metrics.jsonl").read_text() == sft_metrics  # not run again
-    assert [json.loads(line)["step"] for line in open(tmp_path / "demo" / "dpo" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(str(tmp_path / "demo" / "dpo" / "metrics.jsonl"))] == [0, 1, 2, 3]
