@@ -23,6 +23,8 @@ from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, Train
 from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSettings
 from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
 from baton.strategy import StrategyConfig
+from baton.tracking import read_metrics, run_metrics
+from test_pipeline_paths import weights
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -199,7 +201,7 @@ def test_the_pipeline_runs_two_steps_in_each_mode_and_writes_the_three_accuracie
     finally:
         pipeline.shutdown()
     run_dir = tmp_path / "run"
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     for key in ("distill/loss", "distill/forward_kl", "distill/reverse_kl", "distill/teacher_top_k_mass",
                 "distill/top1_agreement", "actor/grad_norm", "timing_s/teacher", "response_length/mean"):
@@ -219,15 +221,25 @@ def test_the_pipeline_runs_two_steps_in_each_mode_and_writes_the_three_accuracie
 
 @pytest.mark.parametrize("mode, responses", [("on_policy", None), ("off_policy", "teacher")])
 def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(tmp_path, mode, responses):
-    def losses(name, **trainer):
+    def distill(name: str, **trainer) -> str:
         run_pipeline(DistillPipeline, tiny_distill(tmp_path / name, mode, responses, val_every_steps=3,
                                                    save_every_steps=1, **trainer))
-        return {r["step"]: r.get("distill/loss") for r in map(json.loads, open(tmp_path / name / "run" / "metrics.jsonl"))}
+        return str(tmp_path / name / "run")
 
-    straight = losses("a", num_steps=3)
-    losses("b", num_steps=1)
-    resumed = losses("b", num_steps=3, resume="latest")
-    assert resumed[2] == straight[2] and resumed[3] == straight[3]  # the samples, and so the losses, are the same
+    straight = distill("a", num_steps=3)
+    distill("b", num_steps=1)
+    resumed = distill("b", num_steps=3, resume="latest")
+    expected, got = run_metrics(straight), run_metrics(resumed)
+    assert sorted(got) == sorted(expected) == [0, 1, 2, 3]
+    assert "distill/loss" in expected[3] and "val/accuracy" in expected[3]
+    # Every metric, bit for bit (the samples, and so the losses, are the same); at step 1 the stopped run also
+    # validated (its last step), the straight one did not.
+    assert {k: got[1][k] for k in expected[1]} == expected[1] and set(got[1]) - set(expected[1]) == {
+        k for k in got[1] if k.startswith(("val/", "val-core/"))}
+    assert [got[step] for step in (0, 2, 3)] == [expected[step] for step in (0, 2, 3)]
+    for step in (2, 3):  # the weights the steps after the resume saved
+        before, after = weights(straight, step, "actor"), weights(resumed, step, "actor")
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), step
 
 
 @pytest.mark.parametrize("change, message", [
@@ -309,7 +321,7 @@ def test_the_demo_trains_a_teacher_distils_it_and_runs_sft_alone_and_a_resume_re
     assert written["final_val_accuracy"] == summary["distill"]["final_val_accuracy"] is not None
     assert written["sft_alone_final_val_accuracy"] == summary["sft_alone"]["final_val_accuracy"] is not None
     for name in ("distill", "sft_alone"):
-        records = [json.loads(line) for line in open(tmp_path / "demo" / name / "metrics.jsonl")]
+        records = read_metrics(str(tmp_path / "demo" / name / "metrics.jsonl"))
         reached = [r["step"] for r in records if r["val/accuracy"] >= written["target_val_accuracy"]]
         key = "steps_to_target" if name == "distill" else "sft_alone_steps_to_target"
         assert written[key] == (reached[0] if reached else None)
