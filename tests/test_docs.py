@@ -1,5 +1,7 @@
 """README.md and docs/*.md stay true to the repository: every relative link and image points to a file (an
-anchor to one of its headings), every repository path named in code exists, and the README stays short."""
+anchor to one of its headings), every repository path named in code exists, every sentence that says a test backs it
+names that test, and the README stays short."""
+import ast
 import re
 from pathlib import Path
 
@@ -13,6 +15,12 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)(?:\s+#+)?\s*$")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*)" % "|".join(re.escape(p) for p in PATH_PREFIXES))
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+# A sentence that says a test backs it: "tested", "a test ...", "tests check", "checked by a test".
+CLAIM = re.compile(r"\b(?:tested|a test|tests? checks?|checked by a test)\b(?![- ]suite)", re.IGNORECASE)
+# A test named as `tests/test_x.py::test_name` (or ::Class::test_name), a parametrised case's [id] allowed.
+CITATION = re.compile(r"\btests/(test_\w+\.py)((?:::\w+)+)(?:\[[^\]\s]*\])?")
+TEST_FILE = re.compile(r"\btests/test_\w+\.py\b(?!::)")
+SENTENCE_END = re.compile(r"(?<=[.!?])[)*]?\s+(?=[A-Z(`*])")
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -116,6 +124,98 @@ def path_problems(path: Path, root: Path = ROOT) -> list[str]:
                 if not (root / repo_path).exists():
                     problems.append(f"{name}:{start + offset}: no such path {repo_path!r}")
     return problems
+
+
+def sentences(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of each sentence of the prose: paragraphs (list items and table rows apart) joined and
+    split after '.', '!' or '?'; headings and fenced code left out."""
+    prose, _ = split_code(path.read_text(encoding="utf-8"))
+    out, block, start = [], [], 0
+
+    def flush():
+        text = " ".join(block)
+        offset = 0
+        for part in SENTENCE_END.split(text):
+            out.append((start, part.strip()))
+            offset += len(part)
+        block.clear()
+
+    for number, line in enumerate(prose.splitlines(), 1):
+        stripped = line.strip()
+        new_item = re.match(r"^([-*+]|\d+\.)\s|^\|", stripped)
+        if not stripped or HEADING.match(line) or new_item:
+            if block:
+                flush()
+            if stripped and not HEADING.match(line):
+                block.append(stripped)
+                start = number
+            continue
+        if not block:
+            start = number
+        block.append(stripped)
+    if block:
+        flush()
+    return [(number, text) for number, text in out if text]
+
+
+def functions_of(path: Path) -> set[str]:
+    """'name' of each top-level test function and 'Class::name' of each method of a test file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}::{item.name}" for item in node.body
+                      if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return names
+
+
+def claim_problems(path: Path, root: Path = ROOT) -> list[str]:
+    """A sentence that says it is tested, or names a test file, must name the test (`tests/test_x.py::test_name`),
+    and each test it names must exist. A test file named in a command (a code span that runs pytest) is not a
+    claim."""
+    name = path.relative_to(root).as_posix()
+    problems = []
+    for line, sentence in sentences(path):
+        without_commands = re.sub(r"`[^`]*pytest[^`]*`", "command", sentence)
+        citations = CITATION.findall(without_commands)
+        for file_name, test in citations:
+            test_path = root / "tests" / file_name
+            if not test_path.is_file():
+                problems.append(f"{name}:{line}: no test file tests/{file_name}")
+            elif test.lstrip(":") not in functions_of(test_path):
+                problems.append(f"{name}:{line}: no test {test.lstrip(':')} in tests/{file_name}")
+        if CLAIM.search(without_commands) and not citations:
+            problems.append(f"{name}:{line}: says it is tested but names no test: {sentence!r}")
+        for match in TEST_FILE.finditer(without_commands):
+            problems.append(f"{name}:{line}: names {match.group(0)} without the test (::test_name): {sentence!r}")
+    return problems
+
+
+def test_every_claim_of_a_test_names_a_test_that_exists():
+    problems = [problem for path in doc_files() for problem in claim_problems(path)]
+    assert not problems, f"{len(problems)} claims without their test:\n" + "\n".join(problems)
+
+
+def test_the_claim_check_finds_an_uncited_claim_and_a_missing_test(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_real.py").write_text("def test_it():\n    pass\n\n\nclass TestGroup:\n"
+                                                    "    def test_method(self):\n        pass\n")
+    (tmp_path / "README.md").write_text(
+        "# Title\n\n"
+        "It resumes exactly (tested). It trains alike (`tests/test_real.py::test_it`).\n"
+        "Also grouped (`tests/test_real.py::TestGroup::test_method`, `tests/test_real.py::test_it[ray]`).\n\n"
+        "- Gone (`tests/test_real.py::test_gone`), and a file alone (`tests/test_real.py`).\n"
+        "- A test checks\n  the other, `tests/test_none.py::test_x`.\n\n"
+        "Measured with `.venv/bin/python -m pytest -s tests/test_real.py`: a figure.\n\n"
+        "## Tested\n\n```\ntested\n```\n")
+    problems = claim_problems(tmp_path / "README.md", tmp_path)
+    assert len(problems) == 4, problems
+    assert "README.md:3: says it is tested but names no test: 'It resumes exactly (tested).'" in problems
+    assert any("README.md:6: no test test_gone" in p for p in problems)
+    assert any("README.md:6: names tests/test_real.py without" in p for p in problems)
+    assert any("README.md:7: no test file tests/test_none.py" in p for p in problems)
 
 
 def test_links_and_images_point_to_files_and_headings():
