@@ -41,3 +41,13 @@ class FlakyEnv(GuessNumberEnv):
         if self.seed % 4 == 3:
             time.sleep(3600)
         return super().step(action)
+
+
+class LuckyGuessEnv(GuessNumberEnv):
+    """Guess-the-number where a guess whose characters' codes sum to a multiple of 4 wins: an untrained model wins
+    some episodes in one turn or more and loses others, so success, turns and score vary."""
+
+    def step(self, action: str):
+        if sum(map(ord, action)) % 4 == 0:
+            return "correct\n", 1.0, True, {"valid": True}
+        return super().step(action)
