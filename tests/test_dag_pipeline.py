@@ -71,14 +71,26 @@ def test_on_ray_with_actor_and_rollout_apart_it_matches_the_loop(tmp_path, ray_c
     assert timings["timing_s/node/rollout"] > 0 and timings["timing_s/node/actor_train"] > 0
 
 
+def response_length(response: str, ground_truth: str, **fields) -> float:
+    return float(len(response))
+
+
 def test_the_two_reward_branches_merge_into_the_score(tmp_path):
     _, demo = resolve(os.path.join(EXAMPLES, "dag_branches.yaml"), [])
-    config = dataclasses.replace(tiny(DAGConfig, tmp_path), workflow=demo.rlvr.workflow,
-                                 dag=demo.rlvr.dag)
+    workflow = json.loads(json.dumps(demo.rlvr.workflow))
+    branches = {node["node_id"]: node for node in workflow["nodes"]}
+    # The example's rewards (exact match, an integer format) both score 0 on the untrained model: the branches get
+    # rewards that do not, so the sum shows each term.
+    branches["correct"]["config"] = {"reward_fn": f"{__name__}:parity_reward", "column": "correct"}
+    branches["integer"]["config"] = {"reward_fn": f"{__name__}:response_length", "column": "integer"}
+    config = dataclasses.replace(tiny(DAGConfig, tmp_path), workflow=workflow, dag=demo.rlvr.dag)
     run(DAGPipeline, config)
-    last = run_metrics(str(tmp_path))[3]
-    assert last["critic/score/mean"] == pytest.approx(0.9 * last["reward/correct/mean"]
-                                                      + 0.1 * last["reward/integer/mean"], abs=1e-6)
+    steps = run_metrics(str(tmp_path))
+    for step in (1, 2, 3):
+        record = steps[step]
+        assert record["reward/correct/mean"] > 0 and record["reward/integer/mean"] > 0, step
+        assert record["critic/score/mean"] == pytest.approx(0.9 * record["reward/correct/mean"]
+                                                            + 0.1 * record["reward/integer/mean"], abs=1e-6), step
 
 
 SCORED: list[tuple[str, str, float]] = []  # (ground truth, response, score) of every row parity_reward scored
