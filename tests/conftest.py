@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable
 
 import pytest
 
@@ -11,6 +13,19 @@ import pytest
 # second node exists for multi-node placement tests.
 HEAD_CPUS = 10
 SECOND_NODE_CPUS = 4
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120.0, interval_s: float = 0.02) -> None:
+    """Poll `condition` until it holds; fail naming `what` if it still does not after `timeout_s`.
+
+    The bound limits how long a test waits for something that should happen, never how fast it happened: keep it
+    generous (a loaded 2-core machine), and assert on what happened, not on when. Speed targets live in bench/.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"gave up after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="session", autouse=True)
