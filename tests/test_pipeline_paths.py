@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -101,7 +102,7 @@ TWO_STEP_DEMO = ["sft.trainer.num_steps=2", "rlvr.trainer.num_steps=2", "data.ma
 
 
 @pytest.fixture
-def spied() -> list[tuple[str, str, dict]]:
+def spied() -> Iterator[list[tuple[str, str, dict]]]:
     """Every advantage estimator and policy loss wrapped, for one test, to record each call: (kind, name, keyword
     arguments). Only a call with the local backend (in this process) is seen."""
     calls: list[tuple[str, str, dict]] = []
