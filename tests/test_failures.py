@@ -11,6 +11,7 @@ import pytest
 
 from baton import Cluster, Dispatch, Worker, WorkerConfig, register
 from baton.distributed import CallTimeoutError, ClusterStoppedError, LayoutError, WorkerDiedError, WorkerError
+from conftest import wait_until
 
 
 class Fragile(Worker):
@@ -59,16 +60,19 @@ def test_raising_constructor_is_reported(make_manager, backend):
         Cluster(BrokenInit, WorkerConfig("broken", world_size=2), make_manager(backend))
 
 
+# In the tests below the calls sleep an hour and the call timeout is 30 minutes: a pytest timeout catches a wait
+# that the death or the timeout under test did not end.
+
+
 @pytest.mark.ray
+@pytest.mark.timeout(120)
 def test_killed_worker_fails_a_pending_call_within_seconds(make_manager):
     with Cluster(Fragile, WorkerConfig("victim", world_size=2), make_manager("ray")) as cluster:
         pids = cluster.pid()
-        future = cluster.sleep(60)
-        start = time.monotonic()
+        future = cluster.sleep(3600)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerDiedError) as info:
             future.get()
-        assert time.monotonic() - start < 10
         assert (info.value.cluster, info.value.rank, info.value.method) == ("victim", 1, "sleep")
         assert "died in sleep()" in str(info.value) and "processes were stopped" in str(info.value)
         with pytest.raises(ClusterStoppedError, match=r"after victim\[rank 1\]\.sleep died; call restart\(\)"):
@@ -76,40 +80,36 @@ def test_killed_worker_fails_a_pending_call_within_seconds(make_manager):
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(120)
 def test_killed_worker_fails_a_blocking_call_within_seconds(make_manager):
     with Cluster(Fragile, WorkerConfig("victim", world_size=2), make_manager("ray")) as cluster:
         pids = cluster.pid()
+        # Killed before or after the call reaches it, rank 0 dies with the call pending.
         threading.Timer(0.5, os.kill, (pids[0], signal.SIGKILL)).start()
-        start = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"victim\[rank 0\] died in sleep_blocking"):
-            cluster.sleep_blocking(60)
-        assert time.monotonic() - start < 10
+            cluster.sleep_blocking(3600)
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(120)
 def test_health_monitor_sees_an_idle_worker_die(make_manager):
     with Cluster(Fragile, WorkerConfig("idle", world_size=2, health_check_interval_s=0.5), make_manager("ray")) as cluster:
         pid = cluster.pid()[1]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while cluster._group.monitor.check() is None:
-            assert time.monotonic() < deadline, "health monitor did not notice the dead worker within 10 s"
-            time.sleep(0.1)
-        assert cluster._group.monitor.check().rank == 1
-        start = time.monotonic()
-        with pytest.raises(WorkerDiedError):
-            cluster.sleep_blocking(60)
-        assert time.monotonic() - start < 10
+        wait_until(lambda: cluster._group.monitor.check() is not None, "the health monitor to notice the dead worker")
+        lost = cluster._group.monitor.check()
+        assert lost.rank == 1 and not lost.frozen and "worker process died" in lost.reason
+        with pytest.raises(WorkerDiedError, match=r"idle\[rank 1\] died in sleep_blocking"):
+            cluster.sleep_blocking(3600)
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(120)
 def test_call_timeout_names_the_pending_ranks(make_manager):
     config = WorkerConfig("slow", world_size=2, call_timeout_s=1.0)
     with Cluster(Fragile, config, make_manager("ray")) as cluster:
-        start = time.monotonic()
         with pytest.raises(CallTimeoutError, match=r"slow\[rank 0\]\.sleep_blocking.*raise the cluster's call_timeout_s"):
-            cluster.sleep_blocking(30)
-        assert time.monotonic() - start < 5
+            cluster.sleep_blocking(3600)
 
 
 @pytest.mark.ray
