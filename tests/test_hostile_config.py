@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -193,9 +192,9 @@ RUN_CASES = ("deep yaml", "alias bomb", "1e8 layers", "nan lr", "data not utf-8"
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory) -> dict[tuple[str, str], tuple[subprocess.CompletedProcess, float, list, list]]:
-    """Each case's `baton config` (and `baton run` of RUN_CASES), four at a time, each in a directory of its own: (the process, its
-    seconds, the directory's files before, after)."""
+def refused(tmp_path_factory) -> dict[tuple[str, str], tuple[subprocess.CompletedProcess | None, list, list]]:
+    """Each case's `baton config` (and `baton run` of RUN_CASES), four at a time, each in a directory of its own: (the process,
+    None if it hung past TIME_LIMIT_S, the directory's files before, after)."""
     def refuse(name: str, command: str):
         file_name, text, _ = CASES[name]
         cwd = tmp_path_factory.mktemp("case")
@@ -203,9 +202,11 @@ def refused(tmp_path_factory) -> dict[tuple[str, str], tuple[subprocess.Complete
         (cwd / "bad.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "1"}\n')
         (cwd / "two.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3"}\n')
         before = sorted(os.listdir(cwd))
-        start = time.monotonic()
-        done = baton(command, file_name, cwd=cwd)
-        return done, time.monotonic() - start, before, sorted(os.listdir(cwd))
+        try:
+            done = baton(command, file_name, cwd=cwd)
+        except subprocess.TimeoutExpired:
+            done = None
+        return done, before, sorted(os.listdir(cwd))
 
     keys = [(name, "config") for name in CASES] + [(name, "run") for name in RUN_CASES]
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -214,13 +215,13 @@ def refused(tmp_path_factory) -> dict[tuple[str, str], tuple[subprocess.Complete
 
 @pytest.mark.parametrize("name, command", [(name, "config") for name in CASES] + [(name, "run") for name in RUN_CASES])
 def test_a_bad_config_is_one_line_naming_the_problem(refused, name, command):
-    done, seconds, before, after = refused[name, command]
+    done, before, after = refused[name, command]
+    assert done is not None, f"baton {command} hung (killed after {TIME_LIMIT_S} s)"
     err = done.stderr.decode(errors="replace")
     assert done.returncode == 2, err
     assert err.startswith("baton: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert CASES[name][2] in err
     assert "resume=latest" not in err
-    assert seconds < TIME_LIMIT_S
     assert after == before  # nothing written: no error.log, no run directory
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import threading
-import time
 
 import psutil
 import pytest
@@ -109,11 +108,11 @@ def test_output_comes_back():
     assert result.stdout == "to stdout\n" and result.stderr == "to stderr\n"
 
 
+@pytest.mark.timeout(60)
 def test_an_infinite_loop_times_out():
-    start = time.monotonic()
+    # The wall-clock limit ends it (the reason names which limit), before the CPU-time one could.
     result = run_case("while True:\n    pass", "pass", SandboxLimits(timeout_s=1.0, cpu_time_s=5))
-    assert result.status == TIMEOUT and "wall-clock" in result.reason
-    assert time.monotonic() - start < 4
+    assert result.status == TIMEOUT and result.reason == "ran past the wall-clock limit of 1.0 s and was killed", result
 
 
 def test_a_sleeping_loop_times_out_and_the_cpu_limit_holds():

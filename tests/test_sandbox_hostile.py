@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import psutil
 import pytest
@@ -22,6 +21,7 @@ from baton.datasets.files import read_rows
 from baton.rewards import sandbox_cgroup
 from baton.rewards.sandbox import (FAILED, MEMORY, PASSED, SandboxLimits, SandboxUnavailable, code_sandbox_reward,
                                    run_case)
+from conftest import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT_FILE = os.path.join(REPO, "baton", "rewards", "sandbox.py")
@@ -222,27 +222,33 @@ def kernel_abi() -> int:
     return sandbox_kernel.landlock_abi()
 
 
+def case_processes(scorer: subprocess.Popen) -> list[psutil.Process]:
+    """The processes of the case `scorer` runs, once there are its outer process and its init."""
+    cases: list[psutil.Process] = []
+
+    def started() -> bool:
+        cases[:] = psutil.Process(scorer.pid).children(recursive=True)
+        return len(cases) >= 2
+
+    wait_until(started, "the case to start", timeout_s=60)
+    return cases
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="kills a scoring process of its own, found among root's")
+@pytest.mark.timeout(300)
 def test_a_killed_scorer_takes_its_cases_with_it_and_the_next_start_sweeps_its_directory():
-    scorer = ("import sys\nfrom baton.rewards.sandbox import SandboxLimits, run_case\n"
-              "run_case('import time\\ntime.sleep(60)', 'pass', SandboxLimits(timeout_s=float(sys.argv[1])))\n")
-    wall_s = 5.0
-    process = subprocess.Popen([sys.executable, "-c", scorer, str(wall_s)], cwd=REPO)
+    # The case sleeps an hour under a 10-minute wall limit: within the wait below only its scorer's death ends it.
+    scorer = ("from baton.rewards.sandbox import SandboxLimits, run_case\n"
+              "run_case('import time\\ntime.sleep(3600)', 'pass', SandboxLimits(timeout_s=600.0))\n")
+    process = subprocess.Popen([sys.executable, "-c", scorer], cwd=REPO)
     try:
-        deadline = time.monotonic() + 60
-        cases = []
-        while len(cases) < 2 and time.monotonic() < deadline:  # the case's outer process and its init
-            time.sleep(0.05)
-            cases = psutil.Process(process.pid).children(recursive=True)
-        assert len(cases) >= 2, "the case never started"
+        cases = case_processes(process)
         directories = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"baton-sandbox-{process.pid}-")]
         assert len(directories) == 1
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        killed_at = time.monotonic()
-        gone, alive = psutil.wait_procs(cases, timeout=wall_s)
+        gone, alive = psutil.wait_procs(cases, timeout=60)
         assert not alive, f"the case outlived its killed scorer: {alive}"
-        assert time.monotonic() - killed_at < wall_s
     finally:
         if process.poll() is None:
             process.kill()
@@ -327,23 +333,19 @@ for code in (climb, "print(open({secret!r}).read())", "print(open({PROJECT_FILE!
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="stops a scoring process of its own, found among root's")
+@pytest.mark.timeout(300)
 def test_the_case_holds_its_own_wall_limit_while_the_scorer_is_stopped():
     """The scorer stopped (SIGSTOP) cannot kill the case at its limit; the case's outer process kills its
-    namespace at the limit + 1 s by itself."""
+    namespace at the limit + 1 s by itself. The case sleeps an hour: within the wait below, only that kill ends it."""
     scorer = ("from baton.rewards.sandbox import SandboxLimits, run_case\n"
-              "print(run_case('import time\\ntime.sleep(60)', 'pass', SandboxLimits(timeout_s=1.0)).status)\n")
+              "print(run_case('import time\\ntime.sleep(3600)', 'pass', SandboxLimits(timeout_s=1.0)).status)\n")
     process = subprocess.Popen([sys.executable, "-c", scorer], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        cases = []
-        while len(cases) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            cases = psutil.Process(process.pid).children(recursive=True)
-        assert len(cases) >= 2, "the case never started"
+        cases = case_processes(process)
         inner = [p for p in cases if p.ppid() != process.pid]  # the namespace's init (its outer process, the
         os.kill(process.pid, signal.SIGSTOP)  # scorer's child, stays a zombie until the scorer reaps it)
         assert inner
-        _, alive = psutil.wait_procs(inner, timeout=4.0)
+        _, alive = psutil.wait_procs(inner, timeout=60)
         assert not alive, f"the case outlived its own wall limit: {alive}"
     finally:
         os.kill(process.pid, signal.SIGCONT)
