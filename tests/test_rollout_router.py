@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from baton.models.tokenizer import CHAR_VOCAB_SIZE
 from baton.rollout.engine_worker import EngineWorker
 from baton.rollout.router import EngineFailedError, Router
 from baton.strategy import SamplingParams, StrategyConfig
+from conftest import wait_until
 
 NEVER = CHAR_VOCAB_SIZE  # a stop id outside the vocabulary: requests run to max_new_tokens
 PROMPT = (5, 6, 7, 8)
@@ -76,11 +76,14 @@ def mark_versions(engines: list[Cluster]) -> None:
             engine.import_weights([], version=index)
 
 
-def wait_until(condition, what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
+def tokens_so_far(engines: list[Cluster]) -> list[int]:
+    """How many tokens each request in flight on the engines has generated (local backend: they run in this
+    process)."""
+    counts = []
+    for engine in engines:
+        worker = engine._group.hosts[0]._workers[engine._role]
+        counts += [len(sequence.response_ids) for sequence in list(worker.engine._in_flight.values())]
+    return counts
 
 
 def results(futures) -> list:
@@ -193,19 +196,30 @@ def test_requests_with_one_affinity_key_stay_on_one_engine(router):
     assert metrics["router/retries"] == 0 and metrics["router/num_in_flight"] == 0
 
 
-def test_abort_returns_partial_results_and_settles_each_future_once(router, local_engines):
-    futures = router.submit([request(f"long{i}", seed=i, max_new_tokens=200) for i in range(4)])
-    wait_until(lambda: all(e.health().num_running > 0 for e in local_engines), "both engines to run a request")
-    time.sleep(0.2)
-    aborted = router.abort([f"long{i}" for i in range(4)] + ["long0", "never-submitted"])
-    assert [r.request_id for r in aborted] == [f"long{i}" for i in range(4)]  # duplicates and unknown ids skipped
-    assert all(r.finish_reason == "abort" and len(r.response_ids) < 200 for r in aborted)
+def test_abort_returns_partial_results_and_settles_each_future_once(router, local_engines, monkeypatch):
+    ids = [f"long{i}" for i in range(4)]
+    settled: list[tuple[str, bool]] = []  # (request id, whether it settled the request) of each result the router got
+    settle = router._settle
+
+    def counted_settle(index, item):
+        settles = settle(index, item)
+        if item.request_id in ids:
+            settled.append((item.request_id, settles))
+        return settles
+
+    monkeypatch.setattr(router, "_settle", counted_settle)
+    futures = router.submit([request(i, seed=n, max_new_tokens=200) for n, i in enumerate(ids)])
+    wait_until(lambda: sum(n > 0 for n in tokens_so_far(local_engines)) == 4, "each request to decode a token")
+    aborted = router.abort(ids + ["long0", "never-submitted"])
+    assert [r.request_id for r in aborted] == ids  # duplicates and unknown ids skipped
+    assert all(r.finish_reason == "abort" and 0 < len(r.response_ids) < 200 for r in aborted)
     assert all(len(r.response_ids) == len(r.log_probs) == len(r.weight_versions) for r in aborted)
-    assert any(r.response_ids for r in aborted), "aborted after decoding started: some tokens were generated"
     assert results(futures) == aborted
     assert router.num_in_flight == 0
-    # The engines' own copies of the abort results come out of poll too; the router drops them.
-    time.sleep(0.2)
+    # Each result comes twice, from abort and, the engine's own copy, out of poll: the first settles it, the
+    # router drops the other.
+    wait_until(lambda: len(settled) >= 8, "the engines' copies of the aborted results to come out of poll")
+    assert len(settled) == 8 and sorted(i for i, settles in settled if settles) == ids, settled
     assert all(e.health().num_running == 0 for e in local_engines)
     metrics = router.metrics()
     assert metrics["router/engine_0/outstanding"] == metrics["router/engine_1/outstanding"] == 0
