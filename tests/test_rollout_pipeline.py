@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import threading
-import time
 
 import pytest
 
@@ -23,8 +22,9 @@ from baton.rollout import Sample, Status, samples_to_data
 from baton.rollout.config import RolloutSystemConfig
 from baton.rollout.functions import generate_rollout, generate_sample
 from baton.strategy import SamplingParams, StrategyConfig
+from baton.tracking import run_metrics
 from baton.workers.weight_sync import WeightSyncError
-from test_rollout_router import wait_until
+from conftest import wait_until
 
 THIS = "test_rollout_pipeline"  # tests/ is on sys.path: functions here are importable by path
 
@@ -41,12 +41,9 @@ def tiny(run_dir, num_steps=4, engines=2, **system) -> RolloutRLVRConfig:
         rollout_system=RolloutSystemConfig(**system))
 
 
-def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
 def steps(run_dir) -> dict[int, dict]:
-    return {r["step"]: r for r in records(run_dir) if r["step"] > 0}
+    """The run's metrics by training step (step 0, the validation before training, left out), timings kept."""
+    return {step: record for step, record in run_metrics(str(run_dir), wall_clock=True).items() if step > 0}
 
 
 @pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("async", 1)])
@@ -426,10 +423,12 @@ async def held_after_the_first_step(args, sample, params):
             if not HELD.is_set():
                 break
             await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"group {sample.group_index} was held for 60 s")
     return await generate_sample(args, sample, params)
 
 
-def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_path):
+def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_path, monkeypatch):
     """Once the trainer has synced and waits for its step's groups, all started, the producer starts no more
     until the step has them (they would only slow that step's); then it goes on."""
     GROUPS_STARTED.clear()
@@ -437,6 +436,15 @@ def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=3, engines=1, mode="async", max_staleness=1,
                                         generate_function=f"{THIS}:held_after_the_first_step"))
     manager = pipeline.producer
+    taken: list = []  # the groups the producer took from the data source to start them
+    get_samples = manager.data_source.get_samples
+
+    def counted_get_samples(num_groups):
+        groups = get_samples(num_groups)
+        taken.extend(groups)
+        return groups
+
+    monkeypatch.setattr(manager.data_source, "get_samples", counted_get_samples)
     try:
         manager.start_continuous()
         first, _ = manager.take()
@@ -446,9 +454,15 @@ def test_an_async_step_waiting_on_its_started_groups_gets_the_engines_first(tmp_
         waiting.start()
         wait_until(lambda: manager._taking and len(GROUPS_STARTED) == 8, "step 2's groups started and held, and its "
                    "take waiting", timeout_s=30)
+        num_taken = len(taken)
         pipeline.publisher.publish(pipeline.actor, version=1)  # step 1 synced: step 3's groups are admissible now
-        time.sleep(0.5)
-        assert len(GROUPS_STARTED) == 8, "groups started while the trainer waited on the ones it needs"
+        # The publish woke the producer (a call on its loop, run before this no-op); once it cleared the wake-up,
+        # it has decided what to start under the new version.
+        manager.pool.loop.run(asyncio.sleep(0))
+        wait_until(lambda: not manager._wake.is_set(), "the producer to look at the new version")
+        num_taken_after = len(taken)
+        assert num_taken_after == num_taken, "groups started while the trainer waited on the ones it needs"
+        assert len(GROUPS_STARTED) == 8
         HELD.clear()
         waiting.join(timeout=60)
         assert not waiting.is_alive() and len(second[0][0]) == 4
