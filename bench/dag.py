@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
@@ -61,6 +60,7 @@ from baton.pipelines.config import AlgorithmConfig, DataConfig, RLVRConfig, Rewa
 from baton.pipelines.dag import DAGConfig, DAGPipeline, DAGSettings
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.strategy import StrategyConfig
+from baton.tracking import read_metrics
 
 NUM_RAY_CPUS = 2
 PPO_RAY_CPUS = 4
@@ -120,8 +120,8 @@ def run(pipeline_cls, cfg):
         pipeline.run()
     finally:
         pipeline.shutdown()
-    with open(os.path.join(cfg.trainer.run_dir, "metrics.jsonl")) as f:
-        return pipeline, [r["timing_s/step"] for r in map(json.loads, f) if "timing_s/step" in r]
+    records = read_metrics(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
+    return pipeline, [r["timing_s/step"] for r in records if "timing_s/step" in r]
 
 
 def multi_controller_built(run_dir: str) -> bool:

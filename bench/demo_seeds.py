@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from baton.tracking import read_metrics
 from common import finish, parser as common_parser
 
 SEEDS, SEEDS_QUICK = [0, 1, 2, 3, 4], [0]
@@ -55,8 +56,7 @@ def run_seed(seed: int, run_dir: str, overrides: list[str]) -> dict:
         summary = json.load(f)
     curves = {}
     for stage in ("sft", "rlvr"):
-        with open(os.path.join(run_dir, stage, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = read_metrics(os.path.join(run_dir, stage, "metrics.jsonl"))
         curves[stage] = [(r["step"], r["val/accuracy"]) for r in records if "val/accuracy" in r]
     sft_acc, final_acc = summary["start_val_accuracy"], summary["final_val_accuracy"]
     return {"seed": seed, "sft_accuracy": sft_acc, "final_accuracy": final_acc,

@@ -17,7 +17,6 @@ TRL). `--quick` is a smoke run (fewer SFT steps, prompts and GRPO steps): its fi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -54,6 +53,7 @@ from baton.pipelines.run_dir import checkpoint_path, list_checkpoints
 from baton.pipelines.sft import SFTPipeline
 from baton.rewards import get_reward_fn
 from baton.strategy import OptimizerConfig, StrategyConfig
+from baton.tracking import read_metrics
 
 MODEL = "small-qwen2"
 SEED = 0
@@ -161,8 +161,7 @@ def run_baton(checkpoint: str, num_steps: int, num_prompts: int, run_dir: str) -
     finally:
         pipeline.shutdown()
         ray.shutdown()
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [r for r in map(json.loads, f) if "timing_s/step" in r]
+    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "timing_s/step" in r]
     stages = sorted(k for k in records[0] if k.startswith("timing_s/") and k != "timing_s/step")
     return {
         "step_times_s": [r["timing_s/step"] for r in records],

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import select
 import shutil
@@ -84,6 +83,7 @@ from baton.pipelines.sft import SFTPipeline
 from baton.recipes.demo import DemoConfig, from_checkpoint
 from baton.recipes.rollout_demo import rlvr_default
 from baton.rollout.config import RolloutSystemConfig
+from baton.tracking import read_metrics
 
 MODES = ("sync", "one_step_off", "async")
 NUM_RAY_CPUS = 2
@@ -222,8 +222,7 @@ def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_promp
     with CpuMeter(os.path.join(run_dir, "metrics.jsonl")) as meter:
         summary = run_pipeline(RolloutRLVRPipeline, config)
     wall_s = time.perf_counter() - start
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [r for r in map(json.loads, f) if "timing_s/step" in r]
+    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "timing_s/step" in r]
     timed = records[NUM_WARMUP_STEPS:]
     step_s = statistics.median(r["timing_s/step"] for r in timed)
     gen_s = statistics.median(r["timing_s/gen"] for r in timed)

@@ -4,7 +4,6 @@ say disk errors in words: state files, planted pickles, damaged files, a full di
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import pickle
@@ -27,6 +26,7 @@ from baton.pipelines.rlvr import RLVRPipeline
 from baton.strategy import SchedulerConfig, StrategyConfig
 from baton.strategy.hf import lr_lambda
 from baton.workers.roles import ActorWorker
+from baton.tracking import run_metrics
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
@@ -40,12 +40,6 @@ def grpo(run_dir, strategy="mock", **trainer) -> RLVRConfig:
                       sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
                       val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
                       trainer=TrainerConfig(**{**settings, **trainer}))
-
-
-def records(run_dir) -> dict[int, dict]:
-    """The last metrics logged for each step, without timings."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
 
 
 def same(a, b) -> bool:
@@ -197,7 +191,7 @@ def test_a_truncated_model_file_falls_back_to_the_previous_checkpoint_and_the_ru
     from baton.pipelines.evaluate import resolve_checkpoint
 
     run_pipeline(RLVRPipeline, grpo(tmp_path, "hf", num_steps=4))
-    straight = records(tmp_path)
+    straight = run_metrics(str(tmp_path))
     step_2, step_4 = tmp_path / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_4"
     weights = {k: v.clone() for k, v in load_file(step_4 / "actor" / "model.safetensors").items()}  # not mapped
     assert resolve_checkpoint(str(step_4)) == str(step_4 / "actor")  # `baton eval` still finds the model
@@ -213,7 +207,7 @@ def test_a_truncated_model_file_falls_back_to_the_previous_checkpoint_and_the_ru
             in err)
     assert f"falling back to {step_2}, the newest intact checkpoint" in err
     assert summary["resumed_from_step"] == 2
-    assert records(tmp_path) == straight  # steps 3 and 4 again, as they went the first time
+    assert run_metrics(str(tmp_path)) == straight  # steps 3 and 4 again, as they went the first time
     again = load_file(step_4 / "actor" / "model.safetensors")
     assert all(torch.equal(weights[k], again[k]) for k in weights)
     assert verify_manifest(str(step_4))

@@ -15,6 +15,7 @@ from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import OptimizerConfig, StrategyConfig
+from baton.tracking import run_metrics
 
 DATA = DataConfig(max_operand=4, num_val_examples=8)
 
@@ -32,8 +33,7 @@ def run_dir(tmp_path_factory):
 
 
 def logged_validation(run_dir) -> dict[int, dict]:
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return {r["step"]: r for r in records if "val/accuracy" in r}
+    return {step: record for step, record in run_metrics(str(run_dir)).items() if "val/accuracy" in record}
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:

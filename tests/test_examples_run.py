@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 
 import pytest
@@ -19,6 +18,7 @@ from baton.cli import resolve
 from baton.datasets.config import DataConfig
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import TrainerConfig
+from baton.tracking import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -67,5 +67,5 @@ def test_every_example_config_runs(name, tmp_path, monkeypatch):
         return
     assert found, f"{name} wrote no metrics.jsonl under its run directory"
     for path in found:
-        steps = [json.loads(line)["step"] for line in open(path)]
+        steps = [record["step"] for record in read_metrics(path)]
         assert steps and max(steps) >= 1, f"{path}: no training step was logged ({steps})"

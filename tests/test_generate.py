@@ -3,7 +3,6 @@ does, the rejection-sampling and preference-pair files feed SFT and DPO, and bad
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -16,6 +15,7 @@ from baton.pipelines.generate import (GenerateConfig, GeneratePipeline, preferen
                                       rejection_sampling)
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import StrategyConfig
+from baton.tracking import read_metrics
 
 THIS = "test_generate"  # tests/ is on sys.path: the reward below is importable by path
 
@@ -43,8 +43,7 @@ def test_rows_per_prompt_and_the_sft_and_dpo_files(tmp_path):
         assert len(row["responses"]) == len(row["rewards"]) == len(row["log_probs"]) == 3
         assert all(len(lp) <= 3 and all(v <= 0.0 for v in lp) for lp in row["log_probs"])
         assert row["rewards"] == [float(len(text) % 2) for text in row["responses"]]
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in records] == [1, 2]  # two chunks: 4 prompts, then 2
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2]  # two chunks: 4 prompts, then 2
     rewards = [r for row in rows for r in row["rewards"]]
     assert summary["generate/reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
 

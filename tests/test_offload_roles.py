@@ -8,7 +8,6 @@ save while offloaded.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -28,6 +27,7 @@ from baton.pipelines.time_sharing import time_sharing_roles
 from baton.rl import StaleSamplesWarning
 from baton.strategy import StrategyConfig
 from baton.workers import ActorWorker, ReferenceWorker, RolloutWorker, TeacherWorker
+from baton.tracking import read_metrics, run_metrics
 
 CALLS: list[tuple[str, str]] = []  # (role, strategy method), in call order
 RECORDED = ("generate", "forward", "top_k_log_probs", "train_step", "export_weights", "import_weights", "offload",
@@ -129,11 +129,6 @@ def replay(calls: list, apart: dict[tuple[str, str], list[str]]) -> None:
             assert not beside, f"{role}.{method} beside {beside}"
 
 
-def metrics(run_dir) -> dict:
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
-
-
 # One step while roles take turns: the rollout generates with the others offloaded; it sleeps while the reference
 # and actor compute; it is woken before the weights go in, and the actor is offloaded after the sync.
 STEP = [("rollout", "generate"),
@@ -154,7 +149,7 @@ def test_the_rollout_and_the_training_roles_take_turns_on_their_device(tmp_path,
     # The last step's validation finds the rollout awake; its checkpoint reloads the actor, whose state it saves.
     assert after == [("rollout", "generate"), ("actor", "reload"), ("actor", "save_checkpoint")]
     assert summary["num_steps"] == 3
-    row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
+    row = read_metrics(str(tmp_path / "metrics.jsonl"))[-1]
     assert row["timing_s/offload"] > 0 and row["timing_s/reload"] > 0
     assert row["timing_s/offload"] + row["timing_s/reload"] + row["timing_s/gen"] <= row["timing_s/step"]
 
@@ -174,8 +169,8 @@ def test_off_makes_no_call_and_gives_the_same_metrics(tmp_path, calls):
     calls.clear()
     run_pipeline(RLVRPipeline, grpo(tmp_path / "off", False))
     assert calls and not [c for c in calls if c[1] in ("offload", "reload")]
-    assert metrics(tmp_path / "on") == metrics(tmp_path / "off")
-    assert "timing_s/offload" not in json.loads(open(tmp_path / "off" / "metrics.jsonl").readlines()[-1])
+    assert run_metrics(str(tmp_path / "on")) == run_metrics(str(tmp_path / "off"))
+    assert "timing_s/offload" not in read_metrics(str(tmp_path / "off" / "metrics.jsonl"))[-1]
 
 
 def test_auto_is_on_only_on_gpus(tmp_path, calls):
@@ -212,7 +207,7 @@ def test_the_workflow_hands_each_nodes_roles_their_devices_as_the_loop_hands_eac
     offloaded = [role for role, method in calls if method == "offload"]
     assert len(offloaded) == len([role for role, method in loop if method == "offload"])
     assert set(offloaded) == {"actor", "rollout", "reference"}
-    ours, theirs = metrics(tmp_path / "loop"), metrics(tmp_path / "dag")
+    ours, theirs = run_metrics(str(tmp_path / "loop")), run_metrics(str(tmp_path / "dag"))
     assert {step: {key: row[key] for key in ours[step]} for step, row in theirs.items()} == ours
 
 
@@ -247,7 +242,7 @@ def test_a_run_that_takes_turns_resumes_as_one_that_does_not(tmp_path, calls):
     calls.clear()
     run_pipeline(RLVRPipeline, grpo(tmp_path / "split", True, resume="latest", **config))
     assert ("rollout", "offload") in calls and ("actor", "reload") in calls
-    straight, split = metrics(tmp_path / "straight"), metrics(tmp_path / "split")
+    straight, split = run_metrics(str(tmp_path / "straight")), run_metrics(str(tmp_path / "split"))
     assert sorted(split) == [0, 1, 2, 3] and split == straight
 
 
@@ -279,7 +274,7 @@ def test_roles_take_turns_on_ray(tmp_path, ray_cluster):
         role.worker_cls = None  # CALLS would be another process's
     summary = run_pipeline(RLVRPipeline, config)
     assert summary["num_steps"] == 2
-    row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
+    row = read_metrics(str(tmp_path / "metrics.jsonl"))[-1]
     assert row["timing_s/offload"] > 0 and row["timing_s/reload"] > 0
 
 
@@ -321,7 +316,7 @@ def test_dpos_reference_takes_turns_with_the_colocated_actor_and_changes_no_resu
     calls.clear()
     run_pipeline(DPOPipeline, dpo(tmp_path, "off", False))
     assert calls and not [c for c in calls if c[1] in ("offload", "reload")]
-    assert metrics(tmp_path / "on") == metrics(tmp_path / "off")
+    assert run_metrics(str(tmp_path / "on")) == run_metrics(str(tmp_path / "off"))
 
 
 def test_dpos_actor_rollout_and_reference_take_turns_when_none_share_tensors(tmp_path, calls, monkeypatch):
@@ -355,4 +350,4 @@ def test_the_teacher_takes_turns_with_the_student_and_changes_no_result(tmp_path
     calls.clear()
     run_pipeline(DistillPipeline, distill(tmp_path / "off", False, mode, responses))
     assert calls and not [c for c in calls if c[1] in ("offload", "reload")]
-    assert metrics(tmp_path / "on") == metrics(tmp_path / "off")
+    assert run_metrics(str(tmp_path / "on")) == run_metrics(str(tmp_path / "off"))

@@ -17,6 +17,7 @@ from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingC
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.rl import SignalWatch, zero_std_group_fraction
 from baton.strategy import StrategyConfig
+from baton.tracking import run_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "reverse")
@@ -50,10 +51,10 @@ def test_the_reverse_example_runs_from_another_directory_without_pythonpath(tmp_
     done = subprocess.run([baton, "run", os.path.join(EXAMPLE, "config.yaml"), *settings], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in open(tmp_path / "run" / "rlvr" / "metrics.jsonl")]
-    assert [r["step"] for r in records] == [0, 1, 2]
+    steps = run_metrics(str(tmp_path / "run" / "rlvr"))
+    assert sorted(steps) == [0, 1, 2]
     for key in ("critic/score/mean", "critic/frac_reward_zero_std", "val/reward/mean", "val/accuracy"):
-        assert key in records[-1], key
+        assert key in steps[2], key
 
     # The run's config.yaml, loaded again from yet another directory, finds the reward module and the data.
     from baton.config import load_config
@@ -164,6 +165,6 @@ def test_grpo_warns_when_every_group_gets_one_reward_and_not_otherwise(tmp_path,
     run_pipeline(RLVRPipeline, grpo_on_mock(tmp_path, f"test_own_task:{reward}", num_steps=6))
     err = capsys.readouterr().err
     assert ("the policy learns nothing" in err) == warns
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    fractions = [r["critic/frac_reward_zero_std"] for r in records if r["step"]]
+    steps = run_metrics(str(tmp_path))
+    fractions = [steps[step]["critic/frac_reward_zero_std"] for step in sorted(steps) if step]
     assert len(fractions) == 6 and (all(f == 1.0 for f in fractions) if warns else all(f < 0.9 for f in fractions))

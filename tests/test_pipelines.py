@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 import pytest
@@ -15,6 +14,8 @@ from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SamplingC
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import StrategyConfig
+from baton.tracking import read_metrics, run_metrics
+from conftest import wait_until
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -34,24 +35,25 @@ def test_grpo_runs_end_to_end(tmp_path, strategy):
                         val_sampling=SamplingConfig(temperature=0.0, max_new_tokens=3, num_samples_per_prompt=1),
                         trainer=small_trainer(tmp_path, num_steps=2))
     summary = run(RLVRPipeline, config)
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in records] == [0, 1, 2]
+    steps = run_metrics(str(tmp_path), wall_clock=True)
+    assert sorted(steps) == [0, 1, 2]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr", "response_length/mean",
                 "timing_s/gen", "perf/throughput", "val/accuracy"):
-        assert key in records[-1], key
-    assert summary["final_val_accuracy"] == records[-1]["val/accuracy"]  # the summary reports the last validation
+        assert key in steps[2], key
+    assert summary["final_val_accuracy"] == steps[2]["val/accuracy"]  # the summary reports the last validation
     assert os.path.isdir(tmp_path / "checkpoints" / "step_2" / "actor")
     assert os.path.isfile(tmp_path / "summary.json") and os.path.isfile(summary["plot"])
 
 
-def test_sft_lowers_the_loss_and_keeps_the_last_checkpoints(tmp_path):
+def test_sft_logs_its_loss_each_step_and_keeps_the_last_checkpoints(tmp_path):
+    """That SFT learns is tests/test_learning.py::test_sft_learns_the_demonstrations; here, what it logs and keeps."""
     config = SFTConfig(actor=RoleConfig(strategy=StrategyConfig(model="tiny-qwen2")),
                        data=DataConfig(max_operand=9, num_val_examples=8),
                        trainer=small_trainer(tmp_path, num_steps=6, keep_last_checkpoints=2))
     config.trainer.num_prompts_per_step = 16
     run(SFTPipeline, config)
-    losses = [json.loads(line)["sft/loss"] for line in open(tmp_path / "metrics.jsonl") if "sft/loss" in line]
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    steps = run_metrics(str(tmp_path))
+    assert [step for step in sorted(steps) if "sft/loss" in steps[step]] == [1, 2, 3, 4, 5, 6]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_6"]
 
 
@@ -79,10 +81,10 @@ def test_grpo_on_ray_with_actor_and_rollout_apart_or_together(tmp_path, ray_clus
         summary = pipeline.run()
     finally:
         pipeline.shutdown()
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in records] == [0, 1, 2] and "timing_s/sync" in records[-1]
-    assert summary["final_val_accuracy"] == records[-1]["val/accuracy"]
-    assert summary["start_val_accuracy"] == records[0]["val/accuracy"]
+    steps = run_metrics(str(tmp_path), wall_clock=True)
+    assert sorted(steps) == [0, 1, 2] and "timing_s/sync" in steps[2]
+    assert summary["final_val_accuracy"] == steps[2]["val/accuracy"]
+    assert summary["start_val_accuracy"] == steps[0]["val/accuracy"]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -164,11 +166,7 @@ def test_resume_continues_exactly(tmp_path):
     run(RLVRPipeline, config(tmp_path / "split", 2))
     run(RLVRPipeline, config(tmp_path / "split", 4, resume="latest"))
 
-    def records(run_dir):
-        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
-
-    straight, split = records(tmp_path / "straight"), records(tmp_path / "split")
+    straight, split = run_metrics(str(tmp_path / "straight")), run_metrics(str(tmp_path / "split"))
     assert sorted(split) == [0, 1, 2, 3, 4]
     assert split == straight
     weights = [load_file(d / "checkpoints" / "step_4" / "actor" / "model.safetensors")
@@ -180,7 +178,6 @@ def test_ctrl_c_finishes_the_step_saves_it_and_the_run_resumes_from_there(tmp_pa
     import signal
     import subprocess
     import sys
-    import time
 
     import yaml
 
@@ -194,22 +191,21 @@ def test_ctrl_c_finishes_the_step_saves_it_and_the_run_resumes_from_there(tmp_pa
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "baton.cli", "run", str(path)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):  # validation + 3 steps
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.05)
+    metrics = str(tmp_path / "metrics.jsonl")
+    wait_until(lambda: process.poll() is not None or (os.path.exists(metrics) and len(read_metrics(metrics)) >= 4),
+               "validation and 3 steps logged")
+    assert process.poll() is None, process.stderr.read()
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
-    last_step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    last_step = read_metrics(metrics)[-1]["step"]
     assert f"saved in {tmp_path / 'checkpoints' / f'step_{last_step}'}" in stderr and "trainer.resume=latest" in stderr
     assert os.listdir(tmp_path / "checkpoints") == [f"step_{last_step}"]
 
     resumed = subprocess.run(command + [f"trainer.num_steps={last_step + 2}", "trainer.resume=latest"],
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    steps = [record["step"] for record in read_metrics(metrics)]
     assert steps[-3:] == [last_step, last_step + 1, last_step + 2]
 
 
@@ -241,8 +237,7 @@ def test_a_resumed_demo_skips_its_finished_sft_stage_and_continues_rlvr(tmp_path
 
     summary = DemoPipeline(resolve(None, settings + ["rlvr.trainer.num_steps=2", "resume=latest"])[1]).run()
     assert (tmp_path / "sft" / "metrics.jsonl").read_text() == sft_metrics  # not run again
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "rlvr" / "metrics.jsonl")]
-    assert steps == [0, 1, 2] and summary["sft"]["num_steps"] == 2
+    assert sorted(run_metrics(str(tmp_path / "rlvr"))) == [0, 1, 2] and summary["sft"]["num_steps"] == 2
     assert summary["start_val_accuracy"] is not None and summary["rlvr"]["resumed_from_step"] == 1
 
 

@@ -17,6 +17,7 @@ from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.run_dir import list_checkpoints
 from baton.recipes.demo import DemoPipeline
 from baton.strategy import StrategyConfig
+from baton.tracking import read_metrics
 
 MOCK = ["actor.strategy.name=mock", "rollout.strategy.name=mock", "data.max_operand=9", "data.num_val_examples=8",
         "sampling.max_new_tokens=3", "sampling.num_samples_per_prompt=2", "trainer.backend=local",
@@ -39,7 +40,7 @@ def snapshot(root) -> dict[str, bytes]:
 
 
 def steps_logged(run_dir) -> list[int]:
-    return [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [record["step"] for record in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 
 
 def test_a_new_run_into_a_previous_runs_directory_is_refused_and_changes_nothing(tmp_path):

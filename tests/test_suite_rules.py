@@ -1,4 +1,5 @@
-"""Rules the test suite keeps: no test asserts on wall-clock time.
+"""Rules the test suite keeps: no test asserts on wall-clock time, and tests and benches read a run's metrics with
+the one reader (`baton.tracking.run_metrics` / `read_metrics`), not by parsing `metrics.jsonl` themselves.
 
 A time difference asserted against a number (`assert time.monotonic() - start < 5`) fails on a loaded machine and
 says nothing about what went wrong. A test asserts on what happened instead (the error and what it names, a
@@ -15,6 +16,7 @@ import textwrap
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(os.path.dirname(TESTS), "bench")
 CLOCKS = {"time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns", "process_time"}
 WRAPPERS = {"max", "min", "sum", "abs", "round", "float", "int", "sorted"}  # a duration passed through stays one
 
@@ -163,3 +165,35 @@ def test_the_rule_finds_a_time_difference_asserted_against_a_number(code):
 ])
 def test_the_rule_leaves_waits_and_other_comparisons_alone(code):
     assert timed_asserts(textwrap.dedent(code)) == [], code
+
+
+def hand_read_metrics(source: str, filename: str = "<test>") -> list[str]:
+    """'file:line: name' of each function in `source` that names a metrics.jsonl and parses JSON lines itself
+    (`json.loads`; a summary.json read with `json.load` is not one)."""
+    found = []
+    for function in (n for n in ast.walk(ast.parse(source, filename)) if isinstance(n, FUNCTIONS)):
+        nodes = list(ast.walk(function))
+        names_file = any(isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith("metrics.jsonl")
+                         for n in nodes)
+        parses = any(isinstance(n, ast.Attribute) and n.attr == "loads" and isinstance(n.value, ast.Name)
+                     and n.value.id == "json" for n in nodes)
+        if names_file and parses:
+            found.append(f"{filename}:{function.lineno}: {function.name}")
+    return found
+
+
+def test_tests_and_benches_read_metrics_with_the_one_reader():
+    found = []
+    for directory in (TESTS, BENCH):
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".py"):
+                with open(os.path.join(directory, name), encoding="utf-8") as f:
+                    found += hand_read_metrics(f.read(), name)
+    assert not found, ("these parse a metrics.jsonl by hand; use baton.tracking.run_metrics(run_dir) (by step, "
+                       "without timings) or read_metrics(path) (the records as written):\n" + "\n".join(found))
+
+
+def test_the_metrics_rule_finds_a_hand_parsed_file_and_leaves_the_reader_alone():
+    hand = "def rows(d):\n    return [json.loads(line) for line in open(d / 'metrics.jsonl')]"
+    reader = "def rows(d):\n    text = (d / 'metrics.jsonl').read_text()\n    return run_metrics(str(d)), json.dumps(text)"
+    assert hand_read_metrics(hand) == ["<test>:1: rows"] and hand_read_metrics(reader) == []
