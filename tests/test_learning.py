@@ -1,8 +1,8 @@
 """Fast learning tests: each trainer, on a task its untrained model already scores on now and then, must lift that
 score by far more than the seed-to-seed spread. The task (tests/learning_tasks.py) is a contextual bandit over the
-character tokenizer: eight prompts, a one-character answer, reward 1 for a character of the prompt's set (about a
-quarter of the untrained tiny model's answers). Reward is read from validation at temperature 1, 16 samples of each
-prompt, before the first step and after the last.
+character tokenizer: 48 training prompts and 16 held-out ones, a one-character answer, reward 1 for a character of
+the prompt's set (about a fifth of the untrained tiny model's answers). Reward is read from validation on the held-out
+prompts at temperature 1, 16 samples of each, before the first step and after the last.
 
 The default suite runs seed 0; `BATON_LEARNING_SEEDS=0,1,2,3,4 .venv/bin/python -m pytest tests/test_learning.py`
 runs the five seeds the spreads below were measured on (docs/learning-tests.md). Torch runs on one thread, so a seed
@@ -67,14 +67,16 @@ def bandit_data(tmp_path, kinds: str = "lu") -> DataConfig:
 def reward_before_and_after(run_dir) -> tuple[float, float]:
     """Validation's mean reward before the first step and after the last."""
     steps = run_metrics(str(run_dir))
-    return steps[0]["val/reward/mean"], steps[max(steps)]["val/reward/mean"]
+    before, after = steps[0]["val/reward/mean"], steps[max(steps)]["val/reward/mean"]
+    print(f"learning: {os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]} {before:.3f} -> {after:.3f}")
+    return before, after
 
 
-def rl_config(config_cls, tmp_path, seed: int, num_steps: int = 20, lr: float = 3e-3, **fields):
+def rl_config(config_cls, tmp_path, seed: int, num_steps: int = 20, lr: float = 3e-3, run: str = "run", **fields):
     actor = role(seed, lr)
     return config_cls(actor=actor, rollout=actor, data=bandit_data(tmp_path), reward_fn=REWARD,
                       sampling=SamplingConfig(max_new_tokens=1, num_samples_per_prompt=8), val_sampling=VAL_SAMPLING,
-                      trainer=trainer(tmp_path / "run", seed, num_steps), **fields)
+                      trainer=trainer(tmp_path / run, seed, num_steps), **fields)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -84,8 +86,9 @@ def test_grpo_learns_the_bandit_in_each_driver(tmp_path, driver, seed):
     pipeline_cls, config_cls = DRIVERS[driver]
     run_pipeline(pipeline_cls, rl_config(config_cls, tmp_path, seed))
     before, after = reward_before_and_after(tmp_path / "run")
-    # not yet re-measured on 5 seeds after the prompt set grew to 48 (8 prompts: lift +0.69-+0.75); threshold 0.3
-    assert after - before > 0.3, (before, after)
+    # 5 seeds: before 0.19-0.26, after 0.86-0.96, lift +0.64-+0.76 (the loop and the DAG: the same figures, seed for
+    # seed); threshold 0.5
+    assert after - before > 0.5, (before, after)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -93,20 +96,23 @@ def test_grpo_learns_the_bandit_in_each_driver(tmp_path, driver, seed):
 def test_rloo_and_reinforce_plus_plus_learn_the_bandit(tmp_path, estimator, seed):
     run_pipeline(RLVRPipeline, rl_config(RLVRConfig, tmp_path, seed, algorithm=AlgorithmConfig(adv_estimator=estimator)))
     before, after = reward_before_and_after(tmp_path / "run")
-    # not yet re-measured on 5 seeds after the prompt set grew to 48 (see the report); threshold 0.3
-    assert after - before > 0.3, (before, after)
+    # 5 seeds: before 0.19-0.21, after 0.83-0.96, lift RLOO +0.64-+0.75, REINFORCE++ +0.72-+0.76; threshold 0.5
+    assert after - before > 0.5, (before, after)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_ppo_with_a_critic_learns_the_bandit(tmp_path, seed):
-    """GAE on a value model's values; the critic learns beside the actor."""
+    """GAE on a value model's values; the critic learns beside the actor. Eight prompts a step: with four, a step of
+    one kind of prompt now and then pushed the policy onto one case for every prompt, which one seed in ten (seed 4)
+    had not left after 40 steps (0.49); with eight, ten seeds reached 0.945-0.984 in 20 steps."""
     critic = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2", kind="value", seed=seed,
                                                 optimizer=OptimizerConfig(lr=3e-3)))
-    run_pipeline(RLVRPipeline, rl_config(RLVRConfig, tmp_path, seed, critic=critic,
-                                         algorithm=AlgorithmConfig(adv_estimator="gae")))
+    config = rl_config(RLVRConfig, tmp_path, seed, critic=critic, algorithm=AlgorithmConfig(adv_estimator="gae"))
+    config.trainer.num_prompts_per_step = 8
+    run_pipeline(RLVRPipeline, config)
     before, after = reward_before_and_after(tmp_path / "run")
-    # not yet re-measured on 5 seeds after the prompt set grew to 48 (see the report); threshold 0.3
-    assert after - before > 0.3, (before, after)
+    # 5 seeds: after 0.96-0.98, lift +0.76-+0.78; threshold 0.5
+    assert after - before > 0.5, (before, after)
 
 
 def run_sft(run_dir, tmp_path, seed: int, num_steps: int = 40, train_path: str | None = None,
@@ -126,6 +132,7 @@ def test_sft_learns_the_demonstrations(tmp_path, seed):
     """SFT on one demonstration per prompt: its loss falls and the reward of sampled answers rises."""
     steps = run_sft(tmp_path / "run", tmp_path, seed)
     losses = [steps[step]["sft/loss"] for step in sorted(steps) if "sft/loss" in steps[step]]
+    print(f"learning: SFT loss, last/first {losses[-1] / losses[0]:.3f}")
     before, after = reward_before_and_after(tmp_path / "run")
     # 5 seeds: last/first loss 0.42-0.48; lift +0.21-+0.25; thresholds 0.7, 0.1
     assert losses[-1] < 0.7 * losses[0], losses
@@ -149,11 +156,12 @@ def test_dpo_learns_to_prefer_the_chosen_answers(tmp_path, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_on_policy_distillation_learns_from_an_sft_teacher(tmp_path, seed):
-    """The teacher: the SFT test's model (another seed's weights); the student starts fresh and distils it on its
-    own samples, never seeing a reward or a demonstration."""
-    run_sft(tmp_path / "teacher", tmp_path, seed + 100, 120)
-    teacher = RoleConfig(strategy=StrategyConfig(model=str(tmp_path / "teacher" / "checkpoints" / "step_120" / "actor")))
+def test_on_policy_distillation_learns_from_a_grpo_teacher(tmp_path, seed):
+    """The teacher: the GRPO test's model (another seed's weights); the student starts fresh and distils it on its
+    own samples, never seeing a reward or a demonstration. (An SFT teacher, on one demonstration per prompt, scored
+    0.46-0.94 on the held-out prompts from seed to seed: too uneven a target.)"""
+    run_pipeline(RLVRPipeline, rl_config(RLVRConfig, tmp_path, seed + 100, run="teacher"))
+    teacher = RoleConfig(strategy=StrategyConfig(model=str(tmp_path / "teacher" / "checkpoints" / "step_20" / "actor")))
     config = DistillConfig(actor=role(seed, 3e-3), teacher=teacher,
                            algorithm=DistillSettings(mode="on_policy", loss_type="reverse_kl"),
                            data=bandit_data(tmp_path), reward_fn=REWARD,
@@ -161,8 +169,8 @@ def test_on_policy_distillation_learns_from_an_sft_teacher(tmp_path, seed):
                            val_sampling=VAL_SAMPLING, trainer=trainer(tmp_path / "run", seed, 30))
     run_pipeline(DistillPipeline, config)
     before, after = reward_before_and_after(tmp_path / "run")
-    # not yet re-measured on 5 seeds after the prompt set grew to 48 (see the report); threshold 0.3
-    assert after - before > 0.3, (before, after)
+    # 5 seeds: after 0.77-0.91, lift +0.56-+0.71; threshold 0.4
+    assert after - before > 0.4, (before, after)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -180,5 +188,5 @@ def test_agentic_grpo_learns_both_turns_of_two_doors(tmp_path, seed):
                            rollout_system=RolloutSystemConfig())
     run_pipeline(AgenticPipeline, config)
     before, after = reward_before_and_after(tmp_path / "run")
-    # not yet re-measured on 5 seeds after the prompt set grew to 48 (see the report); threshold 0.3
-    assert after - before > 0.3, (before, after)
+    # 5 seeds: before 0.09-0.12, after 0.97-1.00, lift +0.86-+0.90; threshold 0.6
+    assert after - before > 0.6, (before, after)
