@@ -71,3 +71,26 @@ def test_plot_run_writes_a_png_for_a_run_without_kl(tmp_path):
     run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=2))
     path = plot_run(str(tmp_path))
     assert path == str(tmp_path / "metrics.png") and os.path.getsize(path) > 0
+
+
+def test_a_two_stage_run_is_plotted_stage_after_stage_in_the_order_it_ran(tmp_path, monkeypatch):
+    """SFT (steps 0-4) then RLVR (0-2): RLVR is drawn from step 4 on, after SFT (alphabetically it comes first),
+    with its start marked; the stage order is the summary's."""
+    import matplotlib.figure
+
+    for stage, rows in (("sft", records(*[{"sft/loss": 2.0 - 0.1 * i, "val/accuracy": 0.1 * i} for i in range(5)])),
+                        ("rlvr", records(*[{"critic/score/mean": 0.5, "val/accuracy": 0.5 + 0.1 * i} for i in range(3)]))):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"sft": {}, "rlvr": {}}))
+    drawn = {}
+
+    def savefig(figure, path, **kwargs):
+        for ax in figure.axes:
+            drawn[ax.get_title()] = {line.get_label(): list(line.get_xdata()) for line in ax.lines}
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot_run(str(tmp_path))
+    accuracy = drawn["validation accuracy"]
+    assert accuracy["sft: val/accuracy"] == [0, 1, 2, 3, 4] and accuracy["rlvr: val/accuracy"] == [4, 5, 6]
+    assert [x for label, x in accuracy.items() if label.startswith("_")] == [[4, 4]]  # where RLVR begins

@@ -1,9 +1,11 @@
 """A PNG of a run: reward, validation accuracy (and pass@n), KL (or, with KL off, entropy) and response length
-against step."""
+against step. A run of several stages (SFT then GRPO) draws them one after another on the step axis, each stage's
+steps after the last one of the stage before, with the boundaries marked."""
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 
 from baton.tracking.tracker import read_metrics
@@ -40,31 +42,62 @@ def _largest_match(logged: set[str], pattern: str) -> str | None:
     return max(matches, key=lambda key: int(key.rsplit("@", 1)[1]), default=None)
 
 
+def run_stages(run_dir: str) -> dict[str, list[dict]]:
+    """The records of every `metrics.jsonl` under `run_dir` (label: its directory, "run" for the top), in the order
+    the stages ran: the order the run's summary.json names them (a recipe's summary has a section per stage),
+    else by when each file was last written."""
+    found = {}
+    for root, _, files in os.walk(run_dir):
+        if "metrics.jsonl" in files:
+            label = os.path.relpath(root, run_dir)
+            found["run" if label == "." else label] = os.path.join(root, "metrics.jsonl")
+    named = []
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        named = [label for label in summary if label in found] if isinstance(summary, dict) else []
+    except (OSError, ValueError):
+        pass
+    rest = sorted((label for label in found if label not in named), key=lambda label: os.path.getmtime(found[label]))
+    return {label: read_metrics(found[label]) for label in named + rest}
+
+
+def stage_offsets(stages: dict[str, list[dict]]) -> dict[str, int]:
+    """Where each stage starts on the shared step axis: after the last step of the stage before it."""
+    offsets, start = {}, 0
+    for label, records in stages.items():
+        offsets[label] = start
+        start += max((int(r["step"]) for r in records), default=0)
+    return offsets
+
+
 def plot_run(run_dir: str, out_path: str | None = None) -> str:
-    """Plot `metrics.jsonl` of `run_dir` (every stage subdirectory that has one, each as its own line)."""
+    """Plot `metrics.jsonl` of `run_dir` (every stage subdirectory that has one, each as its own line, stages one
+    after another on the step axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sources = {}
-    for root, _, files in sorted(os.walk(run_dir)):
-        if "metrics.jsonl" in files:
-            label = os.path.relpath(root, run_dir)
-            sources["run" if label == "." else label] = read_metrics(os.path.join(root, "metrics.jsonl"))
+    sources = run_stages(run_dir)
     if not sources:
         raise FileNotFoundError(f"no metrics.jsonl under {run_dir}; is it a baton run directory?")
+    offsets = stage_offsets(sources)
     panels = choose_panels(sources)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels):
         for label, records in sources.items():
             for key in keys:
-                points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+                points = [(r["step"] + offsets[label], r[key]) for r in records if r.get(key) is not None]
                 if points:
                     steps, values = zip(*points)
                     ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=f"{label}: {key}")
+        for label, offset in list(offsets.items())[1:]:  # where a later stage begins
+            ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
+            ax.annotate(label, (offset, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                        textcoords="offset points", fontsize=7, color="gray")
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step (stages one after another)" if len(sources) > 1 else "step")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
