@@ -10,7 +10,8 @@ from baton.config import ConfigError
 from baton.pipelines.config import TrainerConfig
 
 CHECKPOINT_PREFIX = "step_"
-RUN_RECORDS = ("metrics.jsonl", "summary.json")  # with the checkpoints: what shows that a run wrote a directory
+# with the checkpoints: what shows that a run wrote a directory
+RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "summary.json")
 RUN_OUTPUTS = (*RUN_RECORDS, "metrics.png")  # with the checkpoints: what `trainer.overwrite` removes
 
 
@@ -30,7 +31,8 @@ def list_checkpoints(run_dir: str) -> list[str]:
 
 
 def previous_run(run_dir: str) -> list[str]:
-    """What `run_dir` holds that a new run would write over: a metrics.jsonl with records, summary.json, checkpoints."""
+    """What `run_dir` holds that a new run would write over: a metrics.jsonl or samples.jsonl with records,
+    summary.json, checkpoints."""
     held = [name for name in RUN_RECORDS if os.path.isfile(os.path.join(run_dir, name))
             and os.path.getsize(os.path.join(run_dir, name)) > 0]
     steps = [os.path.basename(path) for path in list_checkpoints(run_dir)]

@@ -1,5 +1,5 @@
-"""`Tracker`: where a run's metrics go. `metrics.jsonl` in the run directory always; tensorboard
-and wandb when asked for (their packages are optional and imported only then)."""
+"""`Tracker`: where a run's metrics and samples go. `metrics.jsonl` and `samples.jsonl` in the run directory
+always; tensorboard and wandb when asked for (their packages are optional and imported only then)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ SINKS = ("jsonl", "tensorboard", "wandb")
 
 
 class Tracker:
-    """`resumed_from_step`: a run resumed from that step's checkpoint keeps the records of steps up to it and
-    appends; the steps it runs again (between that checkpoint and the interruption) are logged once."""
+    """`resumed_from_step`: a run resumed from that step's checkpoint keeps the records of steps up to it (in
+    metrics.jsonl and samples.jsonl) and appends; the steps it runs again (between that checkpoint and the
+    interruption) are logged once."""
 
     def __init__(self, run_dir: str, sinks: Sequence[str] = ("jsonl",), project: str = "baton",
                  experiment: str | None = None, config: dict[str, Any] | None = None,
@@ -24,10 +25,14 @@ class Tracker:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(run_dir, "samples.jsonl")
         resume = resumed_from_step is not None
         if resume:
             keep_records_until(self.path, resumed_from_step)
+            keep_records_until(self.samples_path, resumed_from_step)
         self._jsonl = open(self.path, "a" if resume else "w")
+        self._samples = None  # opened at the first samples, so that a run that logs none leaves no empty file
+        self._samples_mode = "a" if resume else "w"
         self._tensorboard = self._wandb = None
         if "tensorboard" in sinks:
             try:
@@ -54,16 +59,63 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """Log what the model wrote at `step`: one JSON line per row in samples.jsonl, and per split a wandb Table
+        (key "samples/<split>") and a tensorboard text of a markdown table (tag "samples/<split>") when those
+        sinks are on. A row:
+
+            {"step": int, "split": "val" | "train", "prompt": str, "response": str,
+             "ground_truth": str | None, "reward": float | None, ...}
+
+        Extra keys are kept; a row's "step" is set to `step`; a non-finite reward is written as null."""
+        records = [{"step": step, **{k: _finite(v) for k, v in row.items() if k != "step"}} for row in rows]
+        if self._samples is None:
+            self._samples = open(self.samples_path, self._samples_mode)
+        self._samples.write("".join(json.dumps(r, default=str) + "\n" for r in records))
+        self._samples.flush()
+        by_split: dict[str, list[dict]] = {}
+        for record in records:
+            by_split.setdefault(str(record.get("split", "val")), []).append(record)
+        for split, split_rows in by_split.items():
+            columns = list(dict.fromkeys(k for r in split_rows for k in r))
+            if self._tensorboard is not None:
+                self._tensorboard.add_text(f"samples/{split}", markdown_table(columns, split_rows), step)
+            if self._wandb is not None:
+                import wandb
+                table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in split_rows])
+                self._wandb.log({f"samples/{split}": table}, step=step)
+
     def close(self) -> None:
         self._jsonl.close()
+        if self._samples is not None:
+            self._samples.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _cell(value: Any) -> Any:
+    """A value as a table cell: numbers, text and None as they are, anything else as its JSON."""
+    return value if value is None or isinstance(value, (str, int, float)) else json.dumps(value, default=str)
+
+
+def markdown_table(columns: list[str], rows: list[dict]) -> str:
+    """`rows` as a markdown table (pipes escaped, newlines as <br>), the form tensorboard's text tab renders."""
+    def cell(value: Any) -> str:
+        return "" if value is None else str(_cell(value)).replace("|", "\\|").replace("\n", "<br>")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def read_metrics(path: str) -> list[dict[str, float]]:
-    """The records of a metrics.jsonl; a last line cut short (the run was killed while writing it) is skipped."""
+    """The records of a metrics.jsonl (or samples.jsonl); a last line cut short (the run was killed while writing it)
+    is skipped."""
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     records = []
@@ -88,6 +140,12 @@ def run_metrics(run_dir: str, *, wall_clock: bool = False) -> dict[int, dict[str
         kept = record if wall_clock else {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK_PREFIXES)}
         steps.setdefault(int(record["step"]), {}).update(kept)
     return steps
+
+
+def run_samples(run_dir: str) -> list[dict]:
+    """The sample rows a run logged (its `samples.jsonl`, schema in `Tracker.log_samples`), in the order written."""
+    path = os.path.join(run_dir, "samples.jsonl")
+    return read_metrics(path) if os.path.isfile(path) else []
 
 
 def keep_records_until(path: str, step: int) -> None:
