@@ -79,6 +79,18 @@ class RoleConfig(WorkerSettings):
         scheduler = dataclasses.replace(scheduler, total_steps=num_updates)
         return dataclasses.replace(self, strategy=dataclasses.replace(self.strategy, scheduler=scheduler))
 
+    def check_schedule(self, name: str, num_updates: int, counted: str) -> None:
+        """ConfigError where this role's lr schedule decays to 0 before the run's `num_updates` optimizer steps end
+        (`counted`: how the run's config makes that many, for the message), which would then train nothing."""
+        scheduler = self.strategy.scheduler
+        num_idle = scheduler.num_updates_at_zero_lr(num_updates)
+        if num_idle:
+            raise ConfigError(
+                f"{name}.strategy.scheduler.total_steps={scheduler.total_steps}: the {scheduler.name} decay reaches lr 0 "
+                f"after {num_updates - num_idle} updates, but this run makes {num_updates} ({counted}), so its last "
+                f"{num_idle} would train nothing; set {name}.strategy.scheduler.total_steps={num_updates}, remove it "
+                "(the decay then spans the run), or set min_lr_ratio above 0")
+
 
 @dataclass
 class RewardSettings(WorkerSettings):
@@ -252,18 +264,37 @@ class RLVRConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def updates_per_step(self) -> int | None:
+        """The actor's (and critic's) optimizer steps per training step, num_ppo_epochs × num_mini_batches_per_step;
+        None where the config alone does not fix them (a custom workflow)."""
+        return self.algorithm.num_ppo_epochs * self.algorithm.num_mini_batches_per_step
+
     def with_run_schedules(self) -> "RLVRConfig":
         """This config, with each decaying lr schedule that sets no total_steps spanning the run's optimizer steps."""
         algo = self.algorithm
-        updates = self.trainer.num_steps * algo.num_ppo_epochs * algo.num_mini_batches_per_step
+        per_step = self.updates_per_step() or algo.num_ppo_epochs * algo.num_mini_batches_per_step
+        updates = self.trainer.num_steps * per_step
         return dataclasses.replace(self, actor=self.actor.with_run_schedule(updates),
                                    critic=self.critic.with_run_schedule(updates) if self.critic else None)
+
+    def check_schedules(self) -> None:
+        """ConfigError for an actor or critic lr schedule that ends at lr 0 before the run does, where the config says
+        how many updates the run makes (else the run warns when it sees lr 0: `baton.tracking.health`)."""
+        per_step = self.updates_per_step()
+        if per_step is None:
+            return
+        counted = f"trainer.num_steps={self.trainer.num_steps} × {per_step} per step"
+        for name in ("actor", "critic"):
+            role = getattr(self, name)
+            if role is not None:
+                role.check_schedule(name, self.trainer.num_steps * per_step, counted)
 
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         algo, trainer, num_samples = self.algorithm, self.trainer, self.sampling.num_samples_per_prompt
         _check_data(self.data)
         algo.check(num_samples, has_critic=self.critic is not None)
+        self.check_schedules()
         if self.critic is not None and self.critic.strategy.kind != "value":
             raise ConfigError(f"critic.strategy.kind is {self.critic.strategy.kind!r}; a critic predicts values: "
                               "set critic.strategy.kind: value")
@@ -338,6 +369,8 @@ class SFTConfig:
     def check(self) -> None:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         _check_data(self.data)
+        self.actor.check_schedule("actor", self.trainer.num_steps, f"trainer.num_steps={self.trainer.num_steps}, one "
+                                  "update each")
         workers = self.actor.num_workers("actor")
         if self.trainer.num_prompts_per_step % workers:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "

@@ -64,6 +64,10 @@ class DAGConfig(RLVRConfig):
     workflow: dict[str, Any] | str | None = None
     dag: DAGSettings = field(default_factory=DAGSettings)
 
+    def updates_per_step(self) -> int | None:
+        """The loop's, for the default workflow; None for a custom one, whose update nodes the config does not count."""
+        return super().updates_per_step() if self.workflow is None else None
+
     def check(self) -> None:
         super().check()
         if self.dag.executor not in EXECUTORS:

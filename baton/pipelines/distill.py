@@ -97,6 +97,8 @@ class DistillConfig:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         algo, teacher = self.algorithm, self.teacher
         _check_data(self.data)
+        self.actor.check_schedule("actor", self.trainer.num_steps, f"trainer.num_steps={self.trainer.num_steps}, one "
+                                  "update each")
         if teacher is None:
             raise ConfigError("distillation needs a `teacher:` section: the frozen model the student learns from, "
                               "e.g. teacher.strategy.model: runs/teacher/checkpoints/step_N/actor (an SFT run's "

@@ -97,6 +97,8 @@ class DPOConfig:
         """Raise ConfigError for combinations that cannot run; the pipeline calls this before Ray or any worker starts."""
         algo, strategy = self.algorithm, self.actor.strategy
         _check_data(self.data)
+        self.actor.check_schedule("actor", self.trainer.num_steps, f"trainer.num_steps={self.trainer.num_steps}, one "
+                                  "update each")
         PREFERENCE_LOSSES.get(algo.loss_type, key="algorithm.loss_type")
         spec = get_preference_loss(algo.loss_type)
         if algo.beta <= 0:

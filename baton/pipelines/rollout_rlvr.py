@@ -79,6 +79,12 @@ class RolloutRLVRConfig(RLVRConfig):
     eval_files: dict[str, str] = field(default_factory=dict)
     loss: str = "policy"
 
+    def updates_per_step(self) -> int | None:
+        """The loop's with the policy loss; one with loss "sft"; none when only rolling out."""
+        if self.rollout_system.rollout_only:
+            return None
+        return super().updates_per_step() if self.loss == "policy" else 1
+
     def check(self) -> None:
         super().check()
         if self.loss not in ("policy", "sft"):

@@ -57,6 +57,20 @@ class SchedulerConfig:
     total_steps: int | None = None  # linear and cosine decay over this many updates; the pipelines' default: the whole run
     min_lr_ratio: float = 0.0
 
+    def __post_init__(self):
+        if self.name not in ("constant", "linear", "cosine"):
+            raise ValueError(f"scheduler name {self.name!r} is not one of 'constant', 'linear', 'cosine'")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"scheduler total_steps={self.total_steps} must be >= 1 (or null: the whole run)")
+
+    def num_updates_at_zero_lr(self, num_updates: int) -> int:
+        """How many of a run's `num_updates` optimizer steps this schedule gives lr 0: those past a linear or cosine
+        decay to min_lr_ratio 0 that ends at total_steps (the update at index total_steps is the first at 0; after
+        a warm-up longer than that, the one after the warm-up)."""
+        if self.name == "constant" or self.total_steps is None or self.min_lr_ratio > 0:
+            return 0
+        return max(0, num_updates - max(self.total_steps, self.warmup_steps + 1))
+
 
 @dataclass
 class StrategyConfig:
