@@ -28,7 +28,7 @@ from baton.distributed.heap import frozen_heap
 from baton.pipelines.checkpoints import (load_sampling_states, prune_checkpoints, read_checkpoint, resume_point,
                                          rng_states, sampling_states, set_rng_states, write_checkpoint)
 from baton.pipelines.config import TrainerConfig, WorkerSettings
-from baton.pipelines.preflight import check_devices_per_worker, check_roles
+from baton.pipelines.preflight import check_devices_per_worker, check_roles, check_trackers
 from baton.pipelines.ray_start import start_ray
 from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
 from baton.pipelines.run_dir import check_run_dir, checkpoint_path, remove_previous_run
@@ -93,11 +93,13 @@ class Pipeline:
     @classmethod
     def dry_run(cls, config):
         """What `baton run` checks before starting Ray (`baton config` runs it too): the config's `check()`, the
-        roles' strategies and models and the machine (`preflight`), then the data, loaded and validated.
+        roles' strategies and models, the machine and the trackers' packages (`preflight`), then the data, loaded and
+        validated.
         Returns (train data, val data, tokenizer)."""
         if hasattr(config, "check"):
             config.check()
         check_roles(config, config.trainer)
+        check_trackers(config.trainer)
         train, val, tokenizer = cls.load_data(config)
         per_step = getattr(config.trainer, "num_prompts_per_step", None)
         if train is not None and per_step is not None and per_step > cls.num_train_prompts(train):

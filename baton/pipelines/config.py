@@ -7,6 +7,7 @@ Batch knobs carry their unit: `num_prompts_per_step`, `num_samples_per_prompt`,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from baton.distributed import WorkerConfig
 from baton.rl.config import AlgorithmConfig, KLControlConfig, check_choice  # noqa: F401
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 from baton.strategy.capabilities import Capabilities, backends_that, capabilities
+from baton.tracking.tracker import SINKS
 
 # "policy": actor + rollout fused
 MODEL_ROLES = ("actor", "rollout", "reference", "teacher", "critic", "reward_model", "policy")
@@ -171,7 +173,7 @@ class TrainerConfig:
     # A new run (resume null) into a run_dir that holds a previous run's metrics, summary or checkpoints is refused;
     # true: that run's metrics.jsonl, summary.json, metrics.png and checkpoints are removed first (nothing else).
     overwrite: bool = False
-    tracker: list[str] = field(default_factory=lambda: ["jsonl"])
+    tracker: list[str] = field(default_factory=lambda: ["jsonl"])  # and any of tensorboard, wandb, mlflow
     backend: str = "ray"  # "ray" or "local" (everything in the driver's process)
     ray_address: str | None = None
     ray_local_only: bool = True  # a local Ray instance listens on 127.0.0.1 only; false: on this node's address
@@ -198,6 +200,11 @@ class TrainerConfig:
         for name in ("num_steps", "num_prompts_per_step", "sync_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1")
+        for sink in self.tracker:
+            if sink not in SINKS:
+                close = difflib.get_close_matches(sink, SINKS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"trainer.tracker {sink!r} is not a tracker; {hint}trackers: {', '.join(SINKS)}")
 
 
 @dataclass

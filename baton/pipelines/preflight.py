@@ -1,12 +1,13 @@
 """Checks that need no worker, run before Ray starts (and by `baton config`): every role's strategy and model, the
-strategy/world-size and strategy/devices combinations, and whether the machine has the CPUs and devices the roles
-ask for.
+strategy/world-size and strategy/devices combinations, whether the machine has the CPUs and devices the roles
+ask for, and the trackers' packages.
 
 A mistake found here costs a second; found in a worker's start-up it cost half a minute or more.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from baton.pipelines.config import RoleConfig, TrainerConfig, WorkerSettings, st
 from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
 from baton.strategy import StrategyConfig
 from baton.strategy.capabilities import backends_that, capabilities, strategy_class
+from baton.tracking.tracker import missing_package
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -167,6 +169,20 @@ def check_machine(config, trainer: TrainerConfig) -> None:
             f"the roles need {needed:g} CPU(s): {slots} device slot(s) ({describe_roles(config)}) and {cpu_only_cpus:g} "
             f"for CPU-only workers ({workers}), but {where} has {cpus:g}. Lower their world_size, or set "
             "trainer.num_cpus to start Ray with more logical CPUs (slower: the workers then share cores)")
+
+
+def check_trackers(trainer: TrainerConfig) -> None:
+    """Each of `trainer.tracker`'s sinks has its package (looked up, not imported). The mlflow sink's store: with
+    MLFLOW_TRACKING_URI unset MLflow opens sqlite:///mlflow.db, which needs SQLAlchemy (full mlflow, not
+    mlflow-skinny)."""
+    for sink in trainer.tracker:
+        if problem := missing_package(sink):
+            raise ConfigError(f"trainer.tracker has {sink!r}, but {problem}")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in trainer.tracker and (not uri or uri.startswith("sqlite:")) and not importlib.util.find_spec("sqlalchemy"):
+        store = uri or "sqlite:///mlflow.db (MLflow's default, MLFLOW_TRACKING_URI being unset)"
+        raise ConfigError(f"trainer.tracker has 'mlflow', whose tracking store is {store}, which needs SQLAlchemy: "
+                          "set MLFLOW_TRACKING_URI to your tracking server (http://host:5000), or pip install mlflow")
 
 
 def local_machine(trainer: TrainerConfig) -> tuple[float, float, str] | None:

@@ -1,20 +1,42 @@
 """`Tracker`: where a run's metrics and samples go. `metrics.jsonl` and `samples.jsonl` in the run directory
-always; tensorboard and wandb when asked for (their packages are optional and imported only then)."""
+always; tensorboard, wandb and mlflow when asked for (their packages are optional and imported only then)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import time
 from typing import Any, Sequence
 
-SINKS = ("jsonl", "tensorboard", "wandb")
+# Each sink with the module it imports and the pip package that brings it (None: nothing to install).
+SINK_PACKAGES: dict[str, tuple[str, str] | None] = {
+    "jsonl": None,
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+}
+SINKS = tuple(SINK_PACKAGES)
+
+
+def missing_package(sink: str) -> str | None:
+    """The one-line refusal of a sink whose package is not installed (found without importing it); None: ready."""
+    package = SINK_PACKAGES.get(sink)
+    if package is None or importlib.util.find_spec(package[0]) is not None:
+        return None
+    return (f"the {sink} tracker needs the {package[1]} package, which is not installed: pip install {package[1]} "
+            f"(or pip install -e '.[trackers]' for every tracker)")
 
 
 class Tracker:
     """`resumed_from_step`: a run resumed from that step's checkpoint keeps the records of steps up to it (in
     metrics.jsonl and samples.jsonl) and appends; the steps it runs again (between that checkpoint and the
-    interruption) are logged once."""
+    interruption) are logged once.
+
+    `sinks` beside jsonl (always on): "tensorboard" (event files in run_dir/tensorboard), "wandb" (`wandb.init` with
+    `project`, `experiment`, `config`; WANDB_MODE=offline writes under run_dir/wandb only), "mlflow" (a run of
+    experiment `project` in MLflow's tracking store, MLFLOW_TRACKING_URI; `config` flattened into its params)."""
 
     def __init__(self, run_dir: str, sinks: Sequence[str] = ("jsonl",), project: str = "baton",
                  experiment: str | None = None, config: dict[str, Any] | None = None,
@@ -22,6 +44,9 @@ class Tracker:
         unknown = set(sinks) - set(SINKS)
         if unknown:
             raise ValueError(f"unknown tracker sinks {sorted(unknown)}; valid: {list(SINKS)}")
+        for sink in sinks:
+            if problem := missing_package(sink):
+                raise ImportError(problem)
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -33,20 +58,16 @@ class Tracker:
         self._jsonl = open(self.path, "a" if resume else "w")
         self._samples = None  # opened at the first samples, so that a run that logs none leaves no empty file
         self._samples_mode = "a" if resume else "w"
-        self._tensorboard = self._wandb = None
+        self._tensorboard = self._wandb = self._mlflow = None
         if "tensorboard" in sinks:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ImportError("the tensorboard sink needs the tensorboard package: pip install tensorboard") from None
+            from torch.utils.tensorboard import SummaryWriter
             self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if "wandb" in sinks:
-            try:
-                import wandb
-            except ImportError:
-                raise ImportError("the wandb sink needs the wandb package: pip install wandb") from None
+            import wandb
             self._wandb = wandb.init(project=project, name=experiment, config=config, dir=run_dir,
                                      resume="allow" if resume else None)
+        if "mlflow" in sinks:
+            self._mlflow = MlflowSink(run_dir, project, experiment, config or {}, resume)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -58,6 +79,8 @@ class Tracker:
                 self._tensorboard.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log(clean, step)
 
     def log_samples(self, rows: list[dict], step: int) -> None:
         """Log what the model wrote at `step`: one JSON line per row in samples.jsonl, and per split a wandb Table
@@ -84,6 +107,8 @@ class Tracker:
                 import wandb
                 table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in split_rows])
                 self._wandb.log({f"samples/{split}": table}, step=step)
+            if self._mlflow is not None:
+                self._mlflow.log_rows(split_rows, f"samples/{split}/step_{step}.json")
 
     def close(self) -> None:
         self._jsonl.close()
@@ -93,6 +118,61 @@ class Tracker:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.close()
+
+
+class MlflowSink:
+    """A run in MLflow's tracking store (MLFLOW_TRACKING_URI): metrics with their step, the config flattened into
+    params (`actor.optimizer.lr`), samples as JSON artifacts. The run is tagged with the run directory; a resumed
+    run continues the latest MLflow run of that directory."""
+
+    TAG = "baton.run_dir"
+
+    def __init__(self, run_dir: str, project: str, experiment: str | None, config: dict[str, Any], resume: bool):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient()
+        found = self.client.get_experiment_by_name(project)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(project)
+        where = os.path.abspath(run_dir)
+        previous = self.client.search_runs([experiment_id], filter_string=f"tags.`{self.TAG}` = '{where}'",
+                                           order_by=["attributes.start_time DESC"], max_results=1) if resume else []
+        if previous:
+            self.run_id = previous[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=experiment, tags={self.TAG: where}).info.run_id
+        logged = self.client.get_run(self.run_id).data.params
+        params = [Param(k, v) for k, v in flatten(config).items() if k not in logged]  # a param is set once
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a call
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now_ms, step) for k, v in metrics.items()
+                                                    if math.isfinite(v)])
+
+    def log_rows(self, rows: list[dict], artifact_file: str) -> None:
+        self.client.log_text(self.run_id, json.dumps(rows, indent=1, default=str), artifact_file)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as {"dotted.key": text} (MLflow params are flat strings of at most 6000 characters)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            flat[f"{prefix}{key}"] = text[:6000]
+    return flat
 
 
 def _finite(value: Any) -> Any:
