@@ -81,6 +81,21 @@ def test_the_tensorboard_sink_writes_scalars_and_a_samples_table_per_split(tmp_p
     assert "1+1=" in events.Tensors("samples/train/text_summary")[0].tensor_proto.string_val[0].decode()
 
 
+def test_a_resumed_runs_tensorboard_shows_each_step_once(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = Tracker(str(tmp_path), ["tensorboard"])
+    for step in (1, 2, 3):
+        tracker.log({"loss": float(step)}, step=step)
+    tracker.close()  # interrupted after step 3; the last checkpoint is step 2
+    tracker = Tracker(str(tmp_path), ["tensorboard"], resumed_from_step=2)
+    tracker.log({"loss": 30.0}, step=3)
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def wandb_history(run_dir) -> list[dict]:
     """The history rows an offline wandb run wrote to its transaction log (leveldb log format: 32 KiB blocks of
     chunks, each with a 7-byte header: crc32, length, type), as {key: value}."""

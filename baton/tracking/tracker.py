@@ -61,7 +61,9 @@ class Tracker:
         self._tensorboard = self._wandb = self._mlflow = None
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
-            self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # On a resume, tensorboard hides the earlier events of the steps this run logs again.
+            self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                              purge_step=resumed_from_step + 1 if resume else None)
         if "wandb" in sinks:
             import wandb
             self._wandb = wandb.init(project=project, name=experiment, config=config, dir=run_dir,
