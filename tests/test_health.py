@@ -1,4 +1,6 @@
-"""Being told when training goes wrong: an lr schedule that ends before the run is refused where the config says so."""
+"""Being told when training goes wrong: an lr schedule that ends before the run is refused where the config says so,
+and the health monitor warns (once per kind, with a cause and a hint) on held-out accuracy falling, entropy collapsing,
+KL or the rollout log-prob gap blowing up, grad-norm spikes, non-finite losses and an lr at 0 while steps remain."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from baton.cli import main
 from baton.config import ConfigError
 from baton.pipelines.config import DataConfig, RLVRConfig, RoleConfig, SFTConfig, TrainerConfig
 from baton.strategy import OptimizerConfig, SchedulerConfig, StrategyConfig
+from baton.tracking.health import HealthMonitor
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -80,3 +83,117 @@ def test_a_custom_workflow_is_not_refused_its_updates_are_not_the_configs_to_cou
 def test_an_unknown_schedule_name_is_refused_in_the_config():
     with pytest.raises(ValueError, match="scheduler name 'cosin' is not one of 'constant', 'linear', 'cosine'"):
         SchedulerConfig(name="cosin")
+
+
+# --- the health monitor: each warning on a synthetic metric stream --------------------------------------------------
+
+def watch(stream: list[dict[str, float]], num_steps: int | None = None, first_val: dict | None = None) -> dict:
+    """Each step's metrics (step 1, 2, ...) through one monitor; {step: the health metrics it returned}, steps with
+    none left out."""
+    monitor = HealthMonitor(num_steps or len(stream))
+    found = {step: monitor.check(step, metrics, first_val) for step, metrics in enumerate(stream, start=1)}
+    return {step: health for step, health in found.items() if health}
+
+
+def healthy_grpo_step(step: int) -> dict[str, float]:
+    """A GRPO step as a healthy run logs it: noisy grad norms (0 where no group had signal), entropy falling by half
+    over the run, a small KL, the lr of a cosine decay that ends with the run, accuracy rising with a dip."""
+    metrics = {"critic/score/mean": 0.5, "actor/pg_loss": 0.01, "actor/loss": 0.01, "actor/entropy": 2.0 - step / 50,
+               "actor/grad_norm": [0.0, 1.3, 0.7, 2.9, 1.1, 0.0, 4.0, 0.9][step % 8], "actor/ppo_kl": 0.002,
+               "actor/kl": 0.05, "rollout/logprob_diff/mean": 0.01, "actor/lr": 3e-4 * (1 - (step - 1) / 50)}
+    if step % 10 == 0:
+        metrics["val/accuracy"] = {10: 0.62, 20: 0.55, 30: 0.66, 40: 0.71, 50: 0.74}[step]
+    return metrics
+
+
+def test_a_healthy_stream_warns_nothing(capsys):
+    assert watch([healthy_grpo_step(step) for step in range(1, 51)], first_val={"val/accuracy": 0.6}) == {}
+    assert capsys.readouterr().err == ""
+
+
+def test_accuracy_falling_well_below_the_start_warns_once_with_the_lr_hint(capsys):
+    vals = [0.75, 0.55, 0.7, 0.55, 0.5, 0.4, 0.3]  # floor 0.8 - max(0.1, 0.2) = 0.6; one dip alone is not enough
+    stream = [{"actor/loss": 0.1, "val/accuracy": value} for value in vals]
+    assert watch(stream, first_val={"val/accuracy": 0.8}) == {5: {"health/accuracy_drop": 1.0}}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("baton: warning: step 5: held-out accuracy fell from 0.800 at the "
+                                                   "start of this stage to 0.550, 0.500 in the last two validations")
+    assert "lower actor.strategy.optimizer.lr, e.g. by 3x (GRPO on a new task: start near" in err
+
+
+def test_without_accuracy_the_mean_validation_reward_is_watched_from_the_first_validation():
+    stream = [{"val/reward/mean": value} for value in (2.0, 1.9, 1.4, 1.3)]  # no val before training: 2.0 is the start
+    assert watch(stream) == {4: {"health/accuracy_drop": 1.0}}  # floor 2.0 - max(0.1, 0.5) = 1.5
+
+
+def test_entropy_collapsing_warns_after_three_steps_below_a_tenth_of_its_first_value():
+    entropies = [2.0, 0.5, 0.19, 0.15, 0.3, 0.1, 0.1, 0.1, 0.05]
+    assert watch([{"actor/pg_loss": 0.0, "actor/entropy": value} for value in entropies]) == {
+        8: {"health/entropy_collapse": 1.0}}
+    assert watch([{"distill/loss": 0.1, "actor/entropy": value} for value in entropies]) == {}  # not a policy gradient
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("actor/kl", 1.5, "the policy is moving too far: actor/kl = 1.5 (limit 1)"),
+    ("actor/reward_kl_penalty", 3.0, "the policy is moving too far"),
+    ("actor/ppo_kl", 0.4, "actor/ppo_kl = 0.4 (limit 0.1)"),
+    ("rollout/logprob_diff/mean", 0.9, "the actor's log-probs of the rollout's samples are far from the rollout's own"),
+])
+def test_kl_or_the_rollout_gap_blowing_up_warns_once(capsys, key, value, says):
+    stream = [{key: 0.01}, {key: 0.02}, {key: value}, {key: value * 2}]
+    assert watch(stream) == {3: {"health/kl_blowup": 1.0}}
+    assert says in capsys.readouterr().err
+
+
+def test_a_grad_norm_spike_over_the_running_median_warns_not_a_nan_and_not_a_step_after_zeros():
+    norms = [1.0, 0.0, 1.2, 0.8, 0.0, 0.0, 1.1, 0.9, 9.0, float("nan"), 1.0, 25.0, 30.0]  # median of nonzero: 1.0
+    found = watch([{"actor/grad_norm": norm} for norm in norms])
+    assert found == {10: {"health/not_finite": 1.0}, 12: {"health/grad_norm_spike": 1.0}}
+
+
+def test_a_non_finite_loss_warns():
+    assert watch([{"sft/loss": 1.0}, {"sft/loss": float("inf")}]) == {2: {"health/not_finite": 1.0}}
+
+
+def test_lr_at_zero_while_steps_remain(capsys):
+    """What `baton config` cannot refuse (a custom workflow's updates): the run says so when it sees lr 0."""
+    stream = [{"actor/lr": 1e-3}, {"actor/lr": 5e-4}, {"actor/lr": 0.0}, {"actor/lr": 0.0}, {"actor/lr": 0.0}]
+    assert watch(stream) == {3: {"health/lr_schedule_ended": 1.0}}
+    assert "actor/lr is 0 with 2 of 5 steps left: the lr schedule (actor.strategy.scheduler) ended" in (
+        capsys.readouterr().err)
+    assert watch([{"actor/lr": 1e-3}, {"actor/lr": 0.0}]) == {}  # the last step: no step left to lose
+
+
+# --- end to end: a too-high lr collapses held-out accuracy; the same task at a good lr warns nothing ---------------
+
+def test_grpo_at_a_destructive_lr_is_told_its_accuracy_fell_and_a_good_lr_is_told_nothing(tmp_path, capfd):
+    import torch
+
+    from baton.pipelines.base import run_pipeline
+    from baton.pipelines.rlvr import RLVRPipeline
+    from baton.tracking import run_metrics
+    from test_learning import rl_config
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        good = rl_config(RLVRConfig, tmp_path, seed=0, num_steps=20, lr=3e-3, run="good")  # 0.21 -> 0.96
+        run_pipeline(RLVRPipeline, good)
+        healthy = run_metrics(str(tmp_path / "good"))
+        assert not [key for metrics in healthy.values() for key in metrics if key.startswith("health/")]
+        assert "baton: warning" not in capfd.readouterr().err
+        start = healthy[20]["val/accuracy"]
+        assert start > 0.8
+
+        checkpoint = str(tmp_path / "good" / "checkpoints" / "step_20" / "actor")
+        bad = rl_config(RLVRConfig, tmp_path, seed=0, num_steps=4, lr=1.0, run="bad")
+        bad.actor.strategy.model = bad.rollout.strategy.model = checkpoint
+        bad.trainer.val_every_steps = 1
+        run_pipeline(RLVRPipeline, bad)
+    finally:
+        torch.set_num_threads(threads)
+    steps = run_metrics(str(tmp_path / "bad"))
+    assert steps[0]["val/accuracy"] == pytest.approx(start)
+    warned = [step for step in steps if steps[step].get("health/accuracy_drop")]
+    assert warned == [2], {step: steps[step].get("val/accuracy") for step in steps}
+    assert f"baton: warning: step 2: held-out accuracy fell from {start:.3f}" in capfd.readouterr().err

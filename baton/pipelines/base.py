@@ -35,6 +35,7 @@ from baton.pipelines.run_dir import check_run_dir, checkpoint_path, remove_previ
 from baton.pipelines.signals import TrainingInterrupted, deferred_interrupt
 from baton.pipelines.time_sharing import TimeSharing
 from baton.tracking import Tracker, plot_run
+from baton.tracking.health import HealthMonitor
 from baton.workers.weight_sync import ModelUpdatePair
 
 
@@ -254,6 +255,7 @@ class Pipeline:
         last = step == trainer.num_steps
         if step % trainer.val_every_steps == 0 or last:
             metrics.update(self.validate())
+        metrics.update(self.health.check(step, metrics, self.first_val))  # warns once per kind: health/<kind> = 1
         self.tracker.log(metrics, step=step)
         self.bar.set_postfix({label: f"{metrics[key]:.3f}",
                               "val_acc": f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-"})
@@ -283,6 +285,7 @@ class Pipeline:
     def make_tracker(self) -> Tracker:
         self.tracker = Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
                                resumed_from_step=self.global_step if self.global_step > 0 else None)
+        self.health = HealthMonitor(self.trainer.num_steps)  # reads each step's metrics (`end_step`)
         return self.tracker
 
     def finish(self, summary: dict) -> dict:
