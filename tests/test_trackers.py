@@ -4,6 +4,7 @@ overwrite=true), and the optional tensorboard, wandb and mlflow sinks read back 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -142,6 +143,19 @@ def test_the_wandb_sink_offline_logs_metrics_by_step_and_samples_as_a_table(tmp_
     assert table["columns"] == ["step", "split", "prompt", "response", "ground_truth", "reward", "source"]
     assert table["data"][1] == [1, "val", "4+4=", "9 | 1\nx", "8", 0.0, None]
     assert history[0]["samples/train/nrows"] == 1
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log_a_run(tmp_path, ["wandb"])
+    tracker = Tracker(str(tmp_path), ["wandb"], resumed_from_step=1)
+    tracker.log({"loss": 0.125}, step=3)
+    tracker.close()
+    runs = [path.name for path in (tmp_path / "wandb").glob("offline-run-*")]  # offline-run-<time>-<id>[-1]
+    ids = {re.match(r"offline-run-\d{8}_\d{6}-([0-9a-z]+)", name).group(1) for name in runs}
+    assert len(runs) == 2 and len(ids) == 1
 
 
 def test_the_mlflow_sink_logs_metrics_params_and_samples_and_a_resume_continues_its_run(tmp_path, monkeypatch):

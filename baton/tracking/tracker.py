@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import time
 from typing import Any, Sequence
 
@@ -35,7 +36,8 @@ class Tracker:
     interruption) are logged once.
 
     `sinks` beside jsonl (always on): "tensorboard" (event files in run_dir/tensorboard), "wandb" (`wandb.init` with
-    `project`, `experiment`, `config`; WANDB_MODE=offline writes under run_dir/wandb only), "mlflow" (a run of
+    `project`, `experiment`, `config`; WANDB_MODE=offline writes under run_dir/wandb only; a resume continues the
+    wandb run), "mlflow" (a run of
     experiment `project` in MLflow's tracking store, MLFLOW_TRACKING_URI; `config` flattened into its params)."""
 
     def __init__(self, run_dir: str, sinks: Sequence[str] = ("jsonl",), project: str = "baton",
@@ -66,8 +68,9 @@ class Tracker:
                                               purge_step=resumed_from_step + 1 if resume else None)
         if "wandb" in sinks:
             import wandb
-            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=run_dir,
-                                     resume="allow" if resume else None)
+            previous = wandb_run_id(run_dir) if resume else None  # a resumed run continues its wandb run
+            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=run_dir, id=previous,
+                                     resume="allow" if previous else None)
         if "mlflow" in sinks:
             self._mlflow = MlflowSink(run_dir, project, experiment, config or {}, resume)
 
@@ -163,6 +166,13 @@ class MlflowSink:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def wandb_run_id(run_dir: str) -> str | None:
+    """The id of the wandb run last written under `run_dir` (its wandb/latest-run link: `[offline-]run-<time>-<id>`)."""
+    link = os.path.join(run_dir, "wandb", "latest-run")
+    found = re.search(r"run-\d{8}_\d{6}-([0-9a-z]+)", os.readlink(link)) if os.path.islink(link) else None
+    return found.group(1) if found else None
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
