@@ -6,12 +6,14 @@ Imports stay inside the commands: `baton --help` must not pay for torch and Ray.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 
-DEFAULT_PIPELINE = "baton.recipes.demo:DemoPipeline"
+DEFAULT_PIPELINE = "baton.recipes.demo:DemoPipeline"  # the built-in demo
+NEUTRAL_PIPELINE = "baton.recipes.demo:SFTRLVRPipeline"  # the same two stages, under the recipe's own name
 
 # The demo pipelines' import paths before they moved to baton.recipes, as (module, name): written "module:name",
 # each would be a plug-in path naming nothing.
@@ -25,8 +27,9 @@ MOVED_PIPELINES = {
 }
 
 
-def resolve(config_path: str | None, overrides: list[str]):
-    """(pipeline class, typed config) from an optional YAML file and `key.sub=value` overrides."""
+def resolve(config_path: str | None, overrides: list[str], stage: str | None = None, init_from: str | None = None):
+    """(pipeline class, typed config) from an optional YAML file and `key.sub=value` overrides; `stage` and
+    `init_from` (`--stage`, `--init-from`) run one stage of a multi-stage config (its `only_stage`, `init_from`)."""
     from baton.config import ConfigError, add_config_dir, import_object, load_config, load_yaml
 
     data = load_yaml(config_path) if config_path else {}
@@ -44,6 +47,15 @@ def resolve(config_path: str | None, overrides: list[str]):
         where = "the override pipeline_cls" if pipeline_override else f"{config_path}: pipeline_cls"
         raise ConfigError(f"{where} {path!r} names an object of type {type(pipeline_cls).__name__}, not a pipeline "
                           f"class (a class with a config_cls, such as {DEFAULT_PIPELINE})")
+    if stage is not None or init_from is not None:
+        if "only_stage" not in {f.name for f in dataclasses.fields(pipeline_cls.config_cls)}:
+            flag = "--stage" if stage is not None else "--init-from"
+            raise ConfigError(f"{flag}: {path} runs a single stage, so there is no stage to choose; --stage and "
+                              f"--init-from run one stage of a multi-stage config (such as {NEUTRAL_PIPELINE}). To "
+                              "start this one from a checkpoint, set actor.strategy.model=CHECKPOINT (and the "
+                              "other model roles')")
+        overrides = [*overrides, *([f"only_stage={stage}"] if stage is not None else []),
+                     *([f"init_from={init_from}"] if init_from is not None else [])]
     return pipeline_cls, load_config(pipeline_cls.config_cls, config_path, overrides)
 
 
@@ -72,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("config", nargs="?", default=None, help="a YAML config; omitted: the built-in demo")
         sub.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.num_steps=10")
     run.add_argument("--ray-address", default=None, help="run on an existing Ray cluster (HOST:PORT) instead of a local one")
+    for sub in (run, show):
+        sub.add_argument("--stage", default=None, help="run this stage of a multi-stage config alone (e.g. rlvr), into "
+                         "its usual directory run_dir/STAGE")
+        sub.add_argument("--init-from", default=None, help="with --stage of the second stage: the checkpoint it starts "
+                         "from, a stage directory (runs/x/sft: its latest checkpoint) or a checkpoint directory; "
+                         "default: this run's own first stage's latest")
     plot = commands.add_parser("plot", help="write metrics.png for a run directory")
     plot.add_argument("run_dir")
     checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_200/actor), a step directory "
@@ -97,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and the directories its import_dirs.txt records; without it a run directory is data only")
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     generate.add_argument("--prompts-file", default=None, help="a text file with one prompt per line, or a .jsonl/.parquet "
-                          "prompt file")
+                          "prompt file (its prompts in the field --prompt-key names)")
+    generate.add_argument("--prompt-key", default=None, help="the field of a .jsonl/.parquet --prompts-file that holds "
+                          "the prompt; default: the run's data.prompt_key ('prompt' without a run config)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     dag = commands.add_parser("dag", help="workflow graphs: `baton dag plan CONFIG` prints how one is scheduled")
     dag_commands = dag.add_subparsers(dest="dag_command", required=True)
@@ -135,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = None
     try:
-        pipeline_cls, config = resolve(args.config, args.overrides)
+        pipeline_cls, config = resolve(args.config, args.overrides, args.stage, args.init_from)
         if args.command == "config":
             return show_config(pipeline_cls, config)
         summary = run_on_ray(pipeline_cls, config, args.ray_address)
@@ -216,7 +236,8 @@ def evaluate_or_generate(args) -> int:
         policy = evaluate.load_policy(args.checkpoint, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                       num_samples=args.num_samples, reward=reward, trust_run_dir=args.trust_run_dir)
         prompts = ([*(check_text(p, "--prompt") for p in args.prompt),
-                    *read_prompts(args.prompts_file, policy.strategy.tokenizer)] if args.command == "generate" else [])
+                    *read_prompts(args.prompts_file, policy.strategy.tokenizer, args.prompt_key or policy.data.prompt_key)]
+                   if args.command == "generate" else [])
         if args.command == "generate" and not prompts:
             raise ValueError(f"no prompts in {args.prompts_file}: pass --prompt TEXT or a file with prompts")
         if not policy.from_run_config:
@@ -233,18 +254,39 @@ def evaluate_or_generate(args) -> int:
     return 0
 
 
-def read_prompts(path: str | None, tokenizer) -> list[str]:
-    """The prompts of a .jsonl/.parquet prompt file (its "prompt" field; chat messages rendered by `tokenizer`'s
+def read_prompts(path: str | None, tokenizer, prompt_key: str = "prompt") -> list[str]:
+    """The prompts of a .jsonl/.parquet prompt file (its `prompt_key` field; chat messages rendered by `tokenizer`'s
     chat template), or the lines of a text file."""
     if path is None:
         return []
     if path.endswith((".jsonl", ".parquet")):
         from baton.datasets import PromptDataset
+        from baton.datasets.files import read_rows
 
-        return PromptDataset.from_file(path, answer_key=None).render_chat(tokenizer).text_prompts()
+        rows, positions, unit = read_rows(path, {prompt_key: "..."})
+        missing = next((i for i, row in enumerate(rows) if not (isinstance(row, dict) and has_field(row, prompt_key))),
+                       None)
+        if missing is not None:
+            fields = sorted(rows[missing]) if isinstance(rows[missing], dict) else []
+            raise ValueError(f"{path}, {unit} {positions[missing]}: no {prompt_key!r} field (fields: {fields}); pass "
+                             "--prompt-key FIELD, the field that holds the prompt (default: the run's data.prompt_key)")
+        dataset = PromptDataset(rows, prompt_key, answer_key=None, source=path, positions=positions, unit=unit)
+        return dataset.render_chat(tokenizer).text_prompts()
     with open(path, "rb") as f:
         lines = [check_text(raw, f"{path}, line {number}") for number, raw in enumerate(f, start=1)]
     return [line.rstrip("\r\n") for line in lines if line.strip()]
+
+
+def has_field(row: dict, key: str) -> bool:
+    """Whether `row` has the field `key`, or the nested field a dotted `key` names (as data keys may)."""
+    if key in row:
+        return True
+    value = row
+    for part in key.split("."):
+        if not (isinstance(value, dict) and part in value):
+            return False
+        value = value[part]
+    return True
 
 
 def check_text(text: str | bytes, where: str) -> str:
@@ -311,13 +353,10 @@ def resume_key(config) -> str:
 
 
 def next_step(exc: BaseException, config) -> str:
-    """What to do after a failed run: resume it where it left a checkpoint, else run it again."""
+    """What to do after a failed run: resume it where it left a checkpoint, else run it (or its failed stage) again."""
     import errno
 
-    if has_checkpoint(run_dir_of(config)):
-        resume = f"rerun the same command with {resume_key(config)}=latest (it continues from the last checkpoint)"
-    else:
-        resume = "rerun the same command"
+    resume = rerun_advice(config)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"free disk space (or lower trainer.keep_last_checkpoints), then {resume}"
     if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -325,16 +364,32 @@ def next_step(exc: BaseException, config) -> str:
     return f"fix the cause above, then {resume}"
 
 
+def rerun_advice(config) -> str:
+    """How to run a failed run again: resume=latest only where the run (in a multi-stage run: the stage that failed,
+    the first without a summary) left a checkpoint; a later stage that left none runs alone from the finished one's
+    (`--stage`); a run that left records but no checkpoint is replaced (overwrite=true), as a plain rerun is refused."""
+    from baton.pipelines.run_dir import list_checkpoints, previous_run
+
+    stages = getattr(config, "stages_to_run", None)
+    if stages is None:
+        run_dir, prefix, failed = run_dir_of(config), "trainer.", None
+    else:
+        failed = next((name for name in stages if not os.path.isfile(
+            os.path.join(config.stage(name).trainer.run_dir, "summary.json"))), stages[-1])
+        run_dir, prefix = config.stage(failed).trainer.run_dir, ""
+    if list_checkpoints(run_dir):
+        return (f"rerun the same command with {prefix}resume=latest (it continues from "
+                f"{os.path.relpath(list_checkpoints(run_dir)[-1], run_dir)}{f' of the {failed} stage' if failed else ''})")
+    if failed is not None and failed != stages[0]:
+        return (f"run the {failed} stage alone: rerun the same command with --stage {failed} overwrite=true (the stages "
+                f"before it finished and are kept; {failed} left no checkpoint to continue from)")
+    if previous_run(run_dir):
+        return f"rerun the same command with {prefix}overwrite=true (it left no checkpoint to continue from)"
+    return "rerun the same command"
+
+
 def run_dir_of(config) -> str:
     return getattr(config, "run_dir", None) or getattr(getattr(config, "trainer", None), "run_dir", None) or "."
-
-
-def has_checkpoint(run_dir: str) -> bool:
-    """Whether `run_dir`, or a stage directory in it (the demo's sft/, rlvr/), holds a checkpoint."""
-    from baton.pipelines.run_dir import list_checkpoints
-
-    stages = [os.path.join(run_dir, d) for d in os.listdir(run_dir)] if os.path.isdir(run_dir) else []
-    return any(list_checkpoints(d) for d in [run_dir, *stages])
 
 
 def write_error_log(config, exc: BaseException) -> str:

@@ -121,6 +121,33 @@ def test_generate_prints_the_completions_eval_scores(run_dir, capsys, tmp_path):
     assert code == 0 and [json.loads(line)["prompt"] for line in out.splitlines()] == ["1+2=", "1+2="]
 
 
+def test_generate_reads_a_prompt_file_by_the_runs_prompt_key_or_prompt_key(run_dir, capsys, tmp_path):
+    import shutil
+
+    import yaml
+
+    copy = tmp_path / "runs" / "sft"  # the run as if its data kept prompts under "question"
+    shutil.copytree(run_dir, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["data"]["prompt_key"] = "question"
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    checkpoint = str(copy / "checkpoints" / "step_40")
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text('{"question": "1+2=", "solution": "3"}\n{"question": "2+2=", "solution": "4"}\n')
+    code, out, err = cli(capsys, "generate", checkpoint, "--prompts-file", str(asked))
+    assert code == 0, err
+    assert [json.loads(line)["prompt"] for line in out.splitlines()] == ["1+2=", "2+2="]
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "1+2="}\n')
+    code, _, err = cli(capsys, "generate", checkpoint, "--prompts-file", str(plain))
+    assert code == 2 and err == (f"baton: error: {plain}, line 1: no 'question' field (fields: ['prompt']); pass "
+                                 "--prompt-key FIELD, the field that holds the prompt (default: the run's "
+                                 "data.prompt_key)\n")
+    code, out, err = cli(capsys, "generate", checkpoint, "--prompts-file", str(plain), "--prompt-key", "prompt")
+    assert code == 0 and [json.loads(line)["prompt"] for line in out.splitlines()] == ["1+2="], err
+
+
 def test_eval_and_generate_refuse_what_is_not_a_checkpoint(run_dir, capsys, tmp_path):
     code, _, err = cli(capsys, "eval", str(tmp_path))
     assert code == 2 and "is not a checkpoint" in err

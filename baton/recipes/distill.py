@@ -14,7 +14,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from baton.config import ConfigError
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import DataConfig, RoleConfig, SamplingConfig, SFTConfig, TrainerConfig
 from baton.pipelines.distill import DistillConfig, DistillSettings
@@ -128,15 +127,19 @@ class DistillDemoPipeline(TwoStagePipeline):
     config_cls = DistillDemoConfig
 
     @classmethod
-    def dry_run(cls, config: DistillDemoConfig) -> None:
+    def pipeline_classes(cls) -> tuple[type, ...]:
         from baton.pipelines.distill import DistillPipeline
         from baton.pipelines.sft import SFTPipeline
 
-        for name, pipeline_cls in zip(config.stages, (SFTPipeline, DistillPipeline, SFTPipeline)):
-            try:
-                pipeline_cls.dry_run(config.stage(name))
-            except ConfigError as e:
-                raise ConfigError(f"{name} stage: {e}") from e
+        return SFTPipeline, DistillPipeline, SFTPipeline
+
+    @classmethod
+    def starting_from(cls, config: DistillDemoConfig, name: str, checkpoint: str | None):
+        """Stage `name`'s config; the distill stage's teacher is `checkpoint` (None: as configured)."""
+        stage_config = config.stage(name)
+        if checkpoint is None or name != "distill":
+            return stage_config
+        return dataclasses.replace(stage_config, teacher=from_checkpoint(stage_config.teacher, checkpoint))
 
     def _run_stage(self, name: str, pipeline_cls, stage_config) -> dict:
         """A stage's summary: read back when resuming a demo whose stage finished, else from running it."""
@@ -152,11 +155,14 @@ class DistillDemoPipeline(TwoStagePipeline):
         from baton.pipelines.sft import SFTPipeline
 
         cfg = self.config
+        if cfg.only_stage is not None:
+            pipeline_cls = dict(zip(cfg.stages, self.pipeline_classes()))[cfg.only_stage]
+            checkpoint = self.start_checkpoint(cfg, cfg.only_stage)
+            return run_pipeline(pipeline_cls, self.starting_from(cfg, cfg.only_stage, checkpoint))
         teacher_cfg = cfg.stage("teacher")
         summaries = {"teacher": self._run_stage("teacher", SFTPipeline, teacher_cfg)}
         checkpoint = os.path.abspath(os.path.join(list_checkpoints(teacher_cfg.trainer.run_dir)[-1], "actor"))
-        distill_cfg = cfg.stage("distill")
-        distill_cfg = dataclasses.replace(distill_cfg, teacher=from_checkpoint(distill_cfg.teacher, checkpoint))
+        distill_cfg = self.starting_from(cfg, "distill", checkpoint)
         summaries["distill"] = self._run_stage("distill", DistillPipeline, distill_cfg)
         summaries["sft_alone"] = self._run_stage("sft_alone", SFTPipeline, cfg.stage("sft_alone"))
         teacher_accuracy = summaries["distill"]["teacher_val_accuracy"]
