@@ -134,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--colocate", action="store_true",
                       help="every subgraph on every slot, as the multi-controller executor runs it")
     plan.add_argument("--png", default=None, help="also draw the graph to this PNG file (never overwritten)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`baton run CFG --stage rlvr lr=...`) are overrides too: argparse leaves them over.
+    if extra and args.command in ("run", "config") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "dag":
         return dag_plan(args)

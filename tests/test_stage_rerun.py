@@ -117,3 +117,15 @@ def test_a_failed_second_stage_without_a_checkpoint_is_rerun_alone_not_resumed(s
                                     f"{os.path.join('checkpoints', 'step_2')})")
     _, empty = resolve(None, tiny(tmp_path))
     assert rerun_advice(empty) == "rerun the same command"
+
+
+def test_the_own_task_example_checks_a_stage_rerun_written_as_its_docs_write_it(sft_run, tmp_path, capsys):
+    # Options between the config and the overrides, as docs/own-task.md and examples/reverse/config.yaml give them.
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "reverse",
+                          "config.yaml")
+    code = main(["config", config, "--stage", "rlvr", "--init-from", str(sft_run / "sft"), f"run_dir={tmp_path}",
+                 "rlvr.actor.strategy.optimizer.lr=3e-4"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "pipeline_cls: baton.recipes.demo:SFTRLVRPipeline" in out and "only_stage: rlvr" in out
+    assert "lr: 0.0003" in out and "checks passed" in err
