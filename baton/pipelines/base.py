@@ -19,7 +19,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from baton.config import ConfigError, dump_yaml, import_object, record_import_dirs, to_dict
 from baton.datasets import PromptSampler
@@ -36,6 +35,8 @@ from baton.pipelines.signals import TrainingInterrupted, deferred_interrupt
 from baton.pipelines.time_sharing import TimeSharing
 from baton.tracking import Tracker, plot_run
 from baton.tracking.health import HealthMonitor
+from baton.tracking.progress import progress
+from baton.tracking.samples import batch_rows, print_validation
 from baton.workers.weight_sync import ModelUpdatePair
 
 
@@ -89,6 +90,9 @@ class Pipeline:
         self.last_saved_step: int | None = None
         self.resumed_from_step: int | None = None
         self.first_val: dict[str, float] | None = None  # validation before the first step, kept across resumes
+        self.val_samples: list[dict] = []  # the last validation's sample rows (`validate` sets them)
+        self.wall_s_before_resume = 0.0  # the wall time of the run's earlier parts (before the checkpoint it resumed)
+        self.run_start_s = time.perf_counter()  # this part's start (reset by `make_tracker`, as the loop begins)
         self.sampler: PromptSampler | None = None  # the training data position, saved with checkpoints
 
     @classmethod
@@ -187,13 +191,14 @@ class Pipeline:
     def pipeline_state(self) -> dict:
         """What besides the clusters a resume needs: step, data position, the sampling clusters' generators
         (`<name>_sampling`), RNG states."""
-        return {"global_step": self.global_step, "first_val": self.first_val,
+        return {"global_step": self.global_step, "first_val": self.first_val, "wall_s": self.wall_s(),
                 "sampler": self.sampler.state_dict() if self.sampler else None,
                 **sampling_states(self.named(self.sampling_clusters)), "rng": rng_states()}
 
     def load_pipeline_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
         self.first_val = state.get("first_val")  # absent in checkpoints written before it was kept
+        self.wall_s_before_resume = state.get("wall_s", 0.0)  # absent in checkpoints written before it was kept
         if self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
         load_sampling_states(self.named(self.sampling_clusters), state)
@@ -231,8 +236,8 @@ class Pipeline:
         """The steps still to run (1-based), under a progress bar. A Ctrl-C lets the running step finish,
         checkpoints it, and raises TrainingInterrupted; resume with `trainer.resume=latest`."""
         trainer = self.trainer
-        self.bar = tqdm(range(self.global_step + 1, trainer.num_steps + 1), desc=desc, unit="step",
-                        disable=not trainer.progress_bar, initial=self.global_step, total=trainer.num_steps)
+        self.bar = progress(range(self.global_step + 1, trainer.num_steps + 1), desc, initial=self.global_step,
+                            total=trainer.num_steps, enabled=trainer.progress_bar)
         with deferred_interrupt() as interrupted:
             for step in self.bar:
                 self.global_step, self.timings = step, {}
@@ -254,7 +259,7 @@ class Pipeline:
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / self.timings["timing_s/step"]
         last = step == trainer.num_steps
         if step % trainer.val_every_steps == 0 or last:
-            metrics.update(self.validate())
+            metrics.update(self.validation(step))
         metrics.update(self.health.check(step, metrics, self.first_val))  # warns once per kind: health/<kind> = 1
         self.tracker.log(metrics, step=step)
         self.bar.set_postfix({label: f"{metrics[key]:.3f}",
@@ -266,23 +271,52 @@ class Pipeline:
         """Validate before the first step and log it as step 0 (if `val_before_train`); a resumed run returns
         the original run's, so that its summary still has a start accuracy."""
         if self.global_step == 0 and self.trainer.val_before_train:
-            self.first_val = self.validate()
+            self.first_val = self.validation(0)
             if self.first_val:
                 self.tracker.log(self.first_val, step=0)
         return self.first_val
 
     def summary(self, start: float, first_val: dict | None, metrics: dict[str, float], **extra) -> dict:
+        """The run's summary.json: `wall_s` counts every part of a resumed run (the earlier parts' from the checkpoint
+        it resumed, kept in `pipeline_state`), this part's from `start`."""
         resumed = {"resumed_from_step": self.resumed_from_step} if self.resumed_from_step is not None else {}
-        return {"wall_s": time.perf_counter() - start, "num_steps": self.trainer.num_steps, **resumed,
+        return {"wall_s": self.wall_s_before_resume + time.perf_counter() - start, "num_steps": self.trainer.num_steps,
+                **resumed,
                 "start_val_accuracy": first_val.get("val/accuracy") if first_val else None,
                 "final_val_accuracy": metrics.get("val/accuracy"), **extra}
 
+    def wall_s(self) -> float:
+        """The run's wall time so far, its earlier parts (before a resume) included."""
+        return self.wall_s_before_resume + time.perf_counter() - self.run_start_s
+
+    def validation(self, step: int) -> dict[str, float]:
+        """`validate()`'s metrics; its sample rows (`val_samples`) go to samples.jsonl and the trackers, and the
+        validation's line and samples table to the console (`print_validation`)."""
+        self.val_samples = []
+        metrics = self.validate()
+        if self.val_samples:
+            self.tracker.log_samples(self.val_samples, step)
+        print_validation(step, self.trainer.num_steps, metrics, self.val_samples)
+        return metrics
+
     def validate(self) -> dict[str, float]:
+        """The held-out metrics; a pipeline that generates also puts the rows of its first `trainer.log_samples`
+        prompts in `self.val_samples` (`baton.tracking.samples.sample_row`)."""
         return {}
+
+    def log_train_samples(self, step: int, batch) -> None:
+        """At every `trainer.log_samples_every_steps`-th step, the rows (split "train") of the first
+        `trainer.log_samples` prompts of the step's rewarded batch (`batch_rows`) to samples.jsonl and the trackers."""
+        every, num_prompts = self.trainer.log_samples_every_steps, self.trainer.log_samples
+        if every > 0 and num_prompts > 0 and step % every == 0:
+            scores = batch.batch["scores"].tolist()
+            self.tracker.log_samples(batch_rows(step, "train", batch, scores, self.tokenizer, num_prompts), step)
 
     # --- output -------------------------------------------------------------------------------
 
     def make_tracker(self) -> Tracker:
+        """The run's tracker; this part of the run starts its clock here (`wall_s`)."""
+        self.run_start_s = time.perf_counter()
         self.tracker = Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
                                resumed_from_step=self.global_step if self.global_step > 0 else None)
         self.health = HealthMonitor(self.trainer.num_steps)  # reads each step's metrics (`end_step`)

@@ -180,7 +180,12 @@ class TrainerConfig:
     num_cpus: int | None = None  # logical CPUs of a local Ray instance; default: the cores this process may use
     num_devices_per_node: int | None = None
     num_nodes: int | None = None
-    progress_bar: bool = True
+    progress_bar: bool = True  # a bar on a terminal; elsewhere (a log file) a plain line per 30 s
+    # At each validation, the first log_samples held-out prompts (the same ones each time), one response each, with
+    # its reward and ground truth, go to samples.jsonl, the trackers and the console; 0: none. Every
+    # log_samples_every_steps-th training step (0: never), the first log_samples prompts of its batch too (RL loops).
+    log_samples: int = 4
+    log_samples_every_steps: int = 0
     # Model roles whose devices overlap (device_mapping) take turns on them: the rollout is offloaded (vLLM: put to
     # sleep) while the actor, reference and critic compute, and they are offloaded while it generates; in DPO and
     # distillation the reference or teacher is offloaded while the actor trains, and reloaded to score. "auto": on
@@ -200,6 +205,9 @@ class TrainerConfig:
         for name in ("num_steps", "num_prompts_per_step", "sync_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1")
+        for name in ("log_samples", "log_samples_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
         for sink in self.tracker:
             if sink not in SINKS:
                 close = difflib.get_close_matches(sink, SINKS, n=1)

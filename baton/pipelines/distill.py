@@ -26,7 +26,7 @@ from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, Samp
                                     _check_data, _check_reward_fn, _reward_workers)
 from baton.datasets.load import load_datasets
 from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillLoss
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation, validation_rollout
 from baton.rewards import RewardRoutes
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.capabilities import backends_that, can_share_weights, capabilities
@@ -238,8 +238,10 @@ class DistillPipeline(Pipeline):
 
     def validate(self) -> dict[str, float]:
         self.sync_weights()
-        return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
-                        self.config.data.max_prompt_len)
+        result = validation(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
+                            self.config.data.max_prompt_len, self.global_step, self.trainer.log_samples)
+        self.val_samples = result.samples
+        return result.metrics
 
     def validate_teacher(self) -> dict[str, float]:
         """The teacher's held-out accuracy, measured once (a resumed run keeps the first measurement)."""
@@ -264,7 +266,7 @@ class DistillPipeline(Pipeline):
         start = time.perf_counter()
         teacher_accuracy = self.validate_teacher().get("val/accuracy")
         if self.global_step == 0 and trainer.val_before_train:  # `first_validation`, with the teacher's accuracy
-            self.first_val = self.validate()
+            self.first_val = self.validation(0)
             teacher = {"val/teacher_accuracy": teacher_accuracy} if teacher_accuracy is not None else {}
             tracker.log({**self.first_val, **teacher}, step=0)
         first_val = self.first_val

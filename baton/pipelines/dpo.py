@@ -27,7 +27,7 @@ from baton.pipelines.base import Pipeline
 from baton.pipelines.config import (DataConfig, RewardSettings, RoleConfig, SamplingConfig, TrainerConfig,
                                     _check_data, _check_reward_fn, _reward_workers)
 from baton.datasets.load import load_datasets
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validation, validation_rollout
 from baton.rewards import RewardRoutes
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.capabilities import can_share_weights
@@ -232,8 +232,10 @@ class DPOPipeline(Pipeline):
 
     def validate(self) -> dict[str, float]:
         self.sync_weights()
-        return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
-                        self.config.data.max_prompt_len)
+        result = validation(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
+                            self.config.data.max_prompt_len, self.global_step, self.trainer.log_samples)
+        self.val_samples = result.samples
+        return result.metrics
 
     def run(self) -> dict:
         trainer = self.config.trainer

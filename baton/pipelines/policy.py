@@ -10,6 +10,7 @@ from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.rl.metrics import reward_error_count, validation_set_metrics
 from baton.strategy.capabilities import can_share_weights
+from baton.tracking.samples import Validation, batch_rows
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
@@ -57,12 +58,19 @@ def probe_tolerance(*roles: RoleConfig) -> float:
 
 
 def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: SamplingConfig, max_prompt_len: int) -> dict:
+    """The held-out prompts' metric set (`validation`'s metrics, no sample rows)."""
+    return validation(rollout, reward, data, tokenizer, sampling, max_prompt_len).metrics
+
+
+def validation(rollout, reward, data: PromptDataset | None, tokenizer, sampling: SamplingConfig, max_prompt_len: int,
+               step: int = 0, num_samples: int = 0) -> Validation:
     """The held-out prompts, `sampling.num_samples_per_prompt` samples each, scored, as the metric set every driver
-    logs (`baton.rl.metrics.validation_set_metrics`: `val/accuracy`, `val/pass@k`, `val-core/...`, ...). maj@k votes
-    over a dict reward's "pred" field, or, where it has none, over each decoded response stripped of surrounding
-    whitespace."""
+    logs (`baton.rl.metrics.validation_set_metrics`: `val/accuracy`, `val/pass@k`, `val-core/...`, ...), and the
+    sample rows (`baton.tracking.samples.sample_row`, at `step`) of the first `num_samples` prompts, one sample each.
+    maj@k votes over a dict reward's "pred" field, or, where it has none, over each decoded response stripped of
+    surrounding whitespace."""
     if data is None or not len(data):
-        return {}
+        return Validation({})
     prompts = collate_prompts(data, range(len(data)), tokenizer, max_prompt_len)
     out: DataProto = rollout.generate(prompts, sampling.params(seed=0))
     rewards = reward.compute_rewards(out)
@@ -71,7 +79,9 @@ def validate(rollout, reward, data: PromptDataset | None, tokenizer, sampling: S
     pred = rewards.non_tensor_batch.get(REWARD_EXTRA_PREFIX + PRED)
     votes = pred if pred is not None else [str(text).strip() for text in rewards.non_tensor_batch["response_text"]]
     errors = reward_error_count(rewards)
-    return validation_set_metrics(
-        rewards.batch["scores"].numpy(), out.non_tensor_batch["uid"], out.batch["response_mask"].long().sum(-1).numpy(),
+    scores = rewards.batch["scores"].numpy()
+    metrics = validation_set_metrics(
+        scores, out.non_tensor_batch["uid"], out.batch["response_mask"].long().sum(-1).numpy(),
         out.non_tensor_batch["finish_reason"] == "length", fields, out.non_tensor_batch.get(DATA_SOURCE), votes, sampling.num_samples_per_prompt,
         errors["reward/num_errors"], errors["reward/num_timeouts"])
+    return Validation(metrics, batch_rows(step, "val", out, scores.tolist(), tokenizer, num_samples))

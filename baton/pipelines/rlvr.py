@@ -17,7 +17,7 @@ from baton.datasets import PromptSampler, collate_prompts
 from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validation
 from baton.rewards import RewardRoutes
 from baton.rl import RLAlgorithm, StaleSamplesWarning, TrainingRoles, add_model_scores, baseline_per_row
 from baton.rl.metrics import model_score_metrics, reward_error_count, reward_extra_metrics
@@ -136,14 +136,17 @@ class RLVRPipeline(Pipeline):
             metrics = {**self.algorithm.batch_metrics(batch), **reward_error_count(rewards), **reward_extra_metrics(batch),
                        **model_score_metrics(rewards), **train_metrics, **self.timings}
             self.algorithm.watch(step, metrics)
+            self.log_train_samples(step, batch)
             self.end_step(step, metrics, "reward", "critic/score/mean")
         tracker.close()
         return self.finish(self.summary(start, first_val, metrics, final_reward=metrics.get("critic/score/mean")))
 
     def validate(self) -> dict[str, float]:
         self.on_device("rollout")
-        return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
-                        self.config.data.max_prompt_len)
+        result = validation(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
+                            self.config.data.max_prompt_len, self.global_step, self.trainer.log_samples)
+        self.val_samples = result.samples
+        return result.metrics
 
     def roles_to_save_from(self) -> list[str]:
         return [*self.sampling_clusters, *self.checkpoint_clusters]  # sampling states are read too (pipeline_state)

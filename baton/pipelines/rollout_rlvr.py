@@ -330,6 +330,7 @@ class RolloutRLVRPipeline(Pipeline):
             metrics = {**self.rollout_metrics(batch), **self.services.rewarder.error_metrics(),
                        **reward_extra_metrics(batch), **rollout_metrics, **train_metrics, **sync_metrics, **self.timings}
             self.algorithm.watch(step, metrics)
+            self.log_train_samples(step, batch)
             self.end_step(step, metrics, "reward", "critic/score/mean")
         self.publisher.settle()  # the last sync's probe, when scored in the background
         tracker.close()
@@ -356,8 +357,11 @@ class RolloutRLVRPipeline(Pipeline):
         return batch, {f"actor/{key}": float(np.mean([m[key] for m in per_rank])) for key in per_rank[0]}
 
     def validate(self) -> dict[str, float]:
-        """The val set's metrics as `val/...`, the loop's metric set; the further eval sets' as `eval/{name}/...`."""
-        return self.evaluator.eval(self.global_step)
+        """The val set's metrics as `val/...`, the loop's metric set; the further eval sets' as `eval/{name}/...`;
+        the val set's first prompts' sample rows in `val_samples`."""
+        result = self.evaluator.eval(self.global_step, self.trainer.log_samples)
+        self.val_samples = result.samples
+        return result.metrics
 
     def shutdown(self) -> None:
         services = getattr(self, "services", None)

@@ -8,7 +8,7 @@ from baton.datasets import PromptSampler, collate_sft
 from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import SFTConfig
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validate, validation_rollout
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, validation, validation_rollout
 from baton.rewards import RewardRoutes
 from baton.rl.losses import SFTLoss
 from baton.strategy.capabilities import can_share_weights
@@ -46,8 +46,10 @@ class SFTPipeline(Pipeline):
 
     def validate(self) -> dict[str, float]:
         self.sync_weights()
-        return validate(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
-                        self.config.data.max_prompt_len)
+        result = validation(self.rollout, self.reward, self.val_data, self.tokenizer, self.config.val_sampling,
+                            self.config.data.max_prompt_len, self.global_step, self.trainer.log_samples)
+        self.val_samples = result.samples
+        return result.metrics
 
     def run(self) -> dict:
         trainer = self.config.trainer
