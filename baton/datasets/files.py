@@ -14,8 +14,10 @@ class DataError(ConfigError):
     the row and the fix. A ConfigError, so the CLI reports it without a traceback."""
 
 
-def read_rows(path: str) -> tuple[list[Any], list[int], str]:
-    """(rows, positions, unit) of a `.jsonl` or `.parquet` file: each row as parsed, not yet checked.
+def read_rows(path: str, example: dict[str, str] | None = None) -> tuple[list[Any], list[int], str]:
+    """(rows, positions, unit) of a `.jsonl` or `.parquet` file: each row as parsed, not yet checked. example: the
+    fields a row should have, as {field: "..."} (the data's prompt_key and answer_key), shown in the error of a line
+    that is not JSON; default {"prompt": "...", "answer": "..."}.
 
     A row's position is its 1-based line number in a jsonl file (unit "line"; blank lines count but give
     no row) or its 0-based index in a parquet file (unit "row"). Parquet rows come as JSON would give them:
@@ -24,14 +26,14 @@ def read_rows(path: str) -> tuple[list[Any], list[int], str]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file {path} does not exist")
     if path.endswith(".jsonl"):
-        return *_read_jsonl(path), "line"
+        return *_read_jsonl(path, json.dumps(example or {"prompt": "...", "answer": "..."})), "line"
     if path.endswith(".parquet"):
         rows = _read_parquet(path)
         return rows, list(range(len(rows))), "row"
     raise DataError(f"{path}: prompt files must end in .jsonl or .parquet")
 
 
-def _read_jsonl(path: str) -> tuple[list[Any], list[int]]:
+def _read_jsonl(path: str, example: str) -> tuple[list[Any], list[int]]:
     rows, lines = [], []
     offset = 0  # of the line's first byte in the file
     with open(path, "rb") as f:
@@ -52,10 +54,10 @@ def _read_jsonl(path: str) -> tuple[list[Any], list[int]]:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); each line must "
-                                'hold one JSON object such as {"prompt": "...", "answer": "..."}') from e
+                                f"hold one JSON object such as {example}") from e
             except RecursionError:
                 raise DataError(f"{path}, line {number}: nested too deeply to be a row; each line must hold one "
-                                'flat JSON object such as {"prompt": "...", "answer": "..."}') from None
+                                f"flat JSON object such as {example}") from None
             try:
                 json.dumps(row, ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError:

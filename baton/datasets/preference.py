@@ -3,6 +3,7 @@ collation: a pair's chosen and rejected rows side by side, so that no split of a
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,10 +44,11 @@ class PreferenceDataset:
     def from_file(cls, path: str, prompt_key: str = "prompt", chosen_key: str = "chosen",
                   rejected_key: str = "rejected") -> "PreferenceDataset":
         """Read and check a `.jsonl` (one JSON object per line) or `.parquet` file of pairs."""
-        rows, positions, unit = read_rows(path)
+        example = {key: "..." for key in (prompt_key, chosen_key, rejected_key)}
+        rows, positions, unit = read_rows(path, example)
         if not rows:
-            raise DataError(f'{path}: the file has no rows; a preference file needs at least one, such as '
-                            f'{{"{prompt_key}": "...", "{chosen_key}": "...", "{rejected_key}": "..."}}')
+            raise DataError(f"{path}: the file has no rows; a preference file needs at least one, such as "
+                            f"{json.dumps(example)}")
         return cls(rows, prompt_key, chosen_key, rejected_key, source=path, positions=positions, unit=unit)
 
     def where(self, index: int) -> str:

@@ -3,6 +3,7 @@ tokenizer's template; seeded shuffling with a resumable position; collation into
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import reprlib
@@ -87,10 +88,11 @@ class PromptDataset:
     def from_file(cls, path: str, prompt_key: str = "prompt", answer_key: str | None = "answer",
                   response_key: str | None = None) -> "PromptDataset":
         """Read and check a `.jsonl` (one JSON object per line) or `.parquet` file."""
-        rows, positions, unit = read_rows(path)
+        example = {key: "..." for key in (prompt_key, answer_key) if key}  # a row with the data's own field names
+        rows, positions, unit = read_rows(path, example)
         if not rows:
             raise DataError(f"{path}: the file has no rows; a prompt file needs at least one "
-                            '(a .jsonl file: one JSON object per line, such as {"prompt": "...", "answer": "..."})')
+                            f"(a .jsonl file: one JSON object per line, such as {json.dumps(example)})")
         return cls(rows, prompt_key, answer_key, response_key, source=path, positions=positions, unit=unit)
 
     def where(self, index: int) -> str:

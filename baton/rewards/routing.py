@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -225,3 +226,64 @@ def _check_verl_params(fn: RewardFn, name: str) -> None:
                    else f"requires {', '.join(map(repr, required))}, which verl does not pass")
         raise ValueError(f"reward function {name!r} has verl's parameters 'data_source' and 'solution_str', so it is "
                          f"called as verl calls compute_score, with the keywords {list(VERL_PARAMS)}; but it {problem}")
+
+
+# baton's own columns, beside the data's other fields, that each row's reward gets by keyword (the trainer's batches;
+# the rollout system's samples carry the prompt only).
+BATCH_COLUMNS = ("prompt", "uid", "finish_reason")
+
+
+def check_reward_signatures(routes: RewardRoutes, data_fields, *, prompt_key: str = "prompt",
+                            answer_key: str | None = "answer", batch_columns=BATCH_COLUMNS) -> None:
+    """Before anything starts: every function of `routes` can be called on a row as it will be, with the names that
+    reach it (`batch_columns` and the data's other fields `data_fields`) and its reward_kwargs, read from its signature
+    (it is not called). ValueError naming the problem, what the function gets under which names (the data's
+    `prompt_key` and `answer_key` fields among them) and the fix."""
+    columns = [*batch_columns, *sorted(set(data_fields) - set(batch_columns))]
+    for reward in routes.rewards.values():
+        try:
+            reward.check_columns(columns)
+            _check_binds(reward, columns, prompt_key, answer_key)
+        except ValueError as e:
+            raise ValueError(f"{e}. {describe_call(reward, columns, prompt_key, answer_key)}") from None
+
+
+def _check_binds(reward: Reward, columns: list[str], prompt_key: str, answer_key: str | None) -> None:
+    try:
+        signature = inspect.signature(reward.fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
+        return
+    if reward.verl_style:
+        row = {name: None for name in VERL_PARAMS}
+        args, kwargs = (), {**row, **reward.kwargs}
+    else:
+        args, kwargs = ("response", "ground_truth"), {**{c: None for c in columns}, **reward.kwargs}
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        problem = str(e).rstrip(".")
+        missing = re.search(r"missing a required (?:keyword-only )?argument: '(\w+)'", problem)
+        if missing and missing.group(1) == prompt_key and prompt_key != "prompt":
+            problem += f" (the data's {prompt_key!r} field reaches the reward as 'prompt')"
+        elif missing and answer_key and missing.group(1) == answer_key:
+            problem += f" (the data's {answer_key!r} field reaches the reward as its second argument, the ground truth)"
+        raise ValueError(f"reward function {reward.name!r} cannot be called on a row: {problem}") from None
+
+
+def describe_call(reward: Reward, columns: list[str], prompt_key: str = "prompt", answer_key: str | None = "answer") -> str:
+    """How `reward` is called on a row, name by name, and how to write it."""
+    answer = f"the data's {answer_key!r} field (data.answer_key)" if answer_key else "the row's answer"
+    if reward.verl_style:
+        return (f"It has verl's parameters, so it is called as verl calls compute_score: data_source= the row's "
+                f"'data_source' field ({UNKNOWN_DATA_SOURCE!r} without one), solution_str= the decoded response, "
+                f"ground_truth= {answer}, extra_info= the row's 'extra_info' field ({{}} without one); write it as "
+                "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)")
+    own = [c for c in columns if c not in BATCH_COLUMNS]
+    prompt = "the prompt text" + (f", the data's {prompt_key!r} field, data.prompt_key" if prompt_key != "prompt" else "")
+    batch = [f"prompt ({prompt})" if c == "prompt" else c for c in columns if c in BATCH_COLUMNS]
+    others = f", and the data's other fields {', '.join(map(repr, own))}" if own else ""
+    setting = f"; its reward_kwargs {sorted(reward.kwargs)} by keyword too" if reward.kwargs else ""
+    function = reward.name.rpartition(":")[2] or "score"
+    return (f"It is called on each row as {function}(response, ground_truth, **fields): the decoded response, {answer}, "
+            f"then by keyword {', '.join(batch)}{others}{setting}; write it as "
+            f"def {function}(response, ground_truth, **fields) and read what it needs from fields")

@@ -1,0 +1,89 @@
+"""The user's functions (a reward, an environment, the rollout system's plug-ins) checked by their signatures before
+Ray starts, and the user's own field names in the messages about their data."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from baton.cli import main
+
+_NAMES = itertools.count()
+
+
+def own_task(tmp_path, reward_source: str, *settings: str) -> list[str]:
+    """`baton config` arguments for an RLVR run on a task with its own field names (question, solution, level) and
+    the reward `reward_source` (a module written beside the config, under a name of its own)."""
+    module = f"userreward{next(_NAMES)}"
+    (tmp_path / f"{module}.py").write_text(reward_source)
+    rows = "".join(f'{{"question": "{a}+{a}=", "solution": "{2 * a}", "level": {a % 3}}}\n' for a in range(8))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "config.yaml").write_text(
+        "pipeline_cls: baton.pipelines.rlvr:RLVRPipeline\n"
+        f"reward_fn: {module}:score\n"
+        "data: {task: files, train_path: train.jsonl, prompt_key: question, answer_key: solution}\n"
+        f"trainer: {{backend: local, num_prompts_per_step: 4, run_dir: {tmp_path / 'run'}}}\n")
+    return ["config", str(tmp_path / "config.yaml"), *settings]
+
+
+def refusal(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("baton: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("def score(response, answer):\n    return 0.0\n",
+     "reward function '{module}:score' takes no parameter 'finish_reason', 'level', 'prompt', 'uid'"),
+    ("def score(response, ground_truth, question, **fields):\n    return 0.0\n",
+     "cannot be called on a row: missing a required argument: 'question' (the data's 'question' field reaches the "
+     "reward as 'prompt')"),
+    ("def score(response, ground_truth, solution, **fields):\n    return 0.0\n",
+     "missing a required argument: 'solution' (the data's 'solution' field reaches the reward as its second argument"),
+    ("def score(response, **fields):\n    return 0.0\n", "cannot be called on a row: too many positional arguments"),
+])
+def test_a_reward_whose_signature_does_not_fit_its_rows_is_refused_before_ray_naming_what_it_gets(
+        tmp_path, capsys, source, problem):
+    err = refusal(capsys, own_task(tmp_path, source))
+    module = err.split("reward function '")[1].split(":")[0]
+    assert problem.format(module=module) in err
+    # what reaches it, under which names, and the fix
+    assert ("It is called on each row as score(response, ground_truth, **fields): the decoded response, the data's "
+            "'solution' field (data.answer_key), then by keyword prompt (the prompt text, the data's 'question' field, "
+            "data.prompt_key), uid, finish_reason, and the data's other fields 'level'; write it as "
+            "def score(response, ground_truth, **fields) and read what it needs from fields") in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("source", [
+    "def score(response, ground_truth, **fields):\n    return float(response == ground_truth)\n",
+    "def score(response, ground_truth, level, prompt, uid, finish_reason):\n    return 0.0\n",
+    "def score(response, ground_truth, level=0, **fields):\n    return 0.0\n",
+    "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
+])
+def test_a_reward_that_fits_its_rows_passes(tmp_path, capsys, source):
+    code = main(own_task(tmp_path, source))
+    err = capsys.readouterr().err
+    if "level=0" in source:  # a keyword with a default is a setting, which no data field may set
+        assert code == 2 and "the data field 'level' has the name of reward function" in err
+    else:
+        assert code == 0, err
+
+
+def test_a_verl_style_reward_missing_a_parameter_is_refused_with_verls_call(tmp_path, capsys):
+    err = refusal(capsys, own_task(tmp_path, "def score(data_source, solution_str, ground_truth):\n    return 0.0\n"))
+    assert "it takes no parameter 'extra_info'" in err
+    assert "called as verl calls compute_score: data_source= the row's 'data_source' field" in err
+
+
+def test_the_bad_json_message_names_the_datas_own_fields(tmp_path, capsys):
+    argv = own_task(tmp_path, "def score(response, ground_truth, **fields):\n    return 0.0\n")
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1=", "solution": "2"}\n{"question": "2+2=" "solution"}\n')
+    err = refusal(capsys, argv)
+    assert 'train.jsonl, line 2: not valid JSON' in err
+    assert 'each line must hold one JSON object such as {"question": "...", "solution": "..."}' in err
+    (tmp_path / "train.jsonl").write_text("\n")
+    assert '(a .jsonl file: one JSON object per line, such as {"question": "...", "solution": "..."})' in refusal(
+        capsys, argv)
