@@ -87,3 +87,112 @@ def test_the_bad_json_message_names_the_datas_own_fields(tmp_path, capsys):
     (tmp_path / "train.jsonl").write_text("\n")
     assert '(a .jsonl file: one JSON object per line, such as {"question": "...", "solution": "..."})' in refusal(
         capsys, argv)
+
+
+ENV_SOURCE = '''
+class Fits:
+    def __init__(self, high=8):
+        self.high = high
+    def reset(self, seed):
+        return "go"
+    def step(self, action):
+        return "", 1.0, True, {}
+
+class ResetWithoutSeed(Fits):
+    def reset(self):
+        return "go"
+
+class StepTakesTwo(Fits):
+    def step(self, action, state):
+        return "", 1.0, True, {}
+
+class NoStep:
+    def reset(self, seed):
+        return "go"
+
+def make(high=8):
+    return Fits(high)
+'''
+
+
+@pytest.mark.parametrize("env, kwargs, message", [
+    ("Fits", {}, None),
+    ("Fits", {"high": 4}, None),
+    ("make", {"high": 4}, None),
+    ("Fits", {"hihg": 4}, "agentic.env '{module}:Fits': Fits(high=8) cannot be called as factory(**agentic.env_kwargs): "
+                          "got an unexpected keyword argument 'hihg'"),
+    ("make", {"hihg": 4}, "make(high=8) cannot be called as factory(**agentic.env_kwargs)"),
+    ("ResetWithoutSeed", {}, "ResetWithoutSeed.reset(self) cannot be called as reset(seed): too many positional "
+                             "arguments; give it that signature"),
+    ("StepTakesTwo", {}, "StepTakesTwo.step(self, action, state) cannot be called as step(action): missing a required "
+                         "argument: 'state'"),
+    ("NoStep", {}, "NoStep has no step() method; an environment has reset(seed) -> observation and step(action)"),
+])
+def test_an_environment_is_checked_by_its_signatures_when_the_config_is_read(tmp_path, monkeypatch, env, kwargs,
+                                                                              message):
+    from baton.agentic.rollout import AgenticSettings
+    from baton.config import ConfigError
+
+    module = f"userenv{next(_NAMES)}"
+    (tmp_path / f"{module}.py").write_text(ENV_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if message is None:
+        AgenticSettings(env=f"{module}:{env}", env_kwargs=kwargs)
+    else:
+        with pytest.raises(ConfigError) as info:
+            AgenticSettings(env=f"{module}:{env}", env_kwargs=kwargs)
+        assert message.format(module=module) in str(info.value)
+
+
+PLUGIN_SOURCE = '''
+def reward_fits(args, sample):
+    return 1.0
+
+def reward_one_arg(sample):
+    return 1.0
+
+async def generate_fits(args, sample, params):
+    return sample
+
+async def generate_no_params(args, sample):
+    return sample
+
+def rollout_fits(args, rollout_id, data_source, evaluation=False):
+    return []
+
+def rollout_without_evaluation(args, rollout_id, data_source):
+    return []
+
+def keep_all(args, group):
+    return True
+'''
+
+
+@pytest.mark.parametrize("setting, fn, message", [
+    ("reward_function", "reward_fits", None),
+    ("generate_function", "generate_fits", None),
+    ("rollout_function", "rollout_fits", None),
+    ("dynamic_filter", "keep_all", None),
+    ("reward_function", "reward_one_arg", "rollout_system.reward_function '{module}:reward_one_arg': "
+                                          "reward_one_arg(sample) cannot be called as fn(args, sample): too many "
+                                          "positional arguments; give it that signature"),
+    ("generate_function", "generate_no_params", "cannot be called as fn(args, sample, params): too many positional"),
+    ("rollout_function", "rollout_without_evaluation", "cannot be called as fn(args, rollout_id, data_source, "
+                                                        "evaluation)"),
+    ("eval_function", "keep_all", "keep_all(args, group) cannot be called as fn(args, rollout_id, data_sources, "
+                                  "evaluation)"),
+])
+def test_a_rollout_plug_in_is_checked_by_its_signature_when_the_config_is_read(tmp_path, monkeypatch, setting, fn,
+                                                                                message):
+    from baton.config import ConfigError
+    from baton.rollout.config import RolloutSystemConfig
+
+    module = f"userplugins{next(_NAMES)}"
+    (tmp_path / f"{module}.py").write_text(PLUGIN_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if message is None:
+        RolloutSystemConfig(**{setting: f"{module}:{fn}"})
+    else:
+        with pytest.raises(ConfigError) as info:
+            RolloutSystemConfig(**{setting: f"{module}:{fn}"})
+        assert message.format(module=module) in str(info.value)

@@ -15,12 +15,15 @@ An environment that raises, hangs past `env_timeout_s` or dies marks its sample 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 from baton.agentic.env import ENVIRONMENTS
 from baton.agentic.pool import EnvError
+from baton.config import ConfigError
+from baton.config.registry import check_call
 from baton.engines.protocol import GenerationRequest
 from baton.rollout.sample import Sample, Status
 from baton.strategy import SamplingParams
@@ -61,7 +64,25 @@ class AgenticSettings:
             raise ValueError(f"agentic.num_val_episodes={self.num_val_episodes} must be >= 0")
         if self.env_timeout_s <= 0:
             raise ValueError(f"agentic.env_timeout_s={self.env_timeout_s} must be > 0")
-        ENVIRONMENTS.get(self.env, key="agentic.env")  # a bad name or import path fails when the config is read
+        # A bad name or import path, or a factory or methods whose signatures do not fit, fail when the config is read.
+        check_env(ENVIRONMENTS.get(self.env, key="agentic.env"), f"agentic.env {self.env!r}", self.env_kwargs)
+
+
+def check_env(factory, key: str, env_kwargs: dict) -> None:
+    """ConfigError unless `factory` takes `env_kwargs` and, where it is a class, has `reset(seed)` and `step(action)`
+    methods that take those arguments; read from the signatures (a factory function's product is known only once it
+    is called, so only its own parameters are checked)."""
+    check_call(factory, key, "factory(**agentic.env_kwargs)", **env_kwargs)
+    if not isinstance(factory, type):
+        return
+    for method, contract, args in (("reset", "reset(seed)", (0,)), ("step", "step(action)", ("",))):
+        raw = inspect.getattr_static(factory, method, None)
+        if raw is None or not callable(getattr(factory, method)):
+            raise ConfigError(f"{key}: {factory.__qualname__} has no {method}() method; an environment has "
+                              "reset(seed) -> observation and step(action) -> (observation, reward, done, info)")
+        unbound = not isinstance(raw, (staticmethod, classmethod))
+        check_call(getattr(factory, method), key, contract,
+                   *((None,) if unbound else ()), *args)
 
 
 VAL_SEED_OFFSET = 1_000_000

@@ -89,3 +89,21 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def check_call(obj: Callable, key: str, contract: str, *args, **kwargs) -> None:
+    """Raise ConfigError unless `obj` can be called with `args` and `kwargs` (placeholders standing for what it will
+    get), read from its signature, never by calling it; `contract` is how it is called, for the message
+    ("fn(args, sample) -> float | dict"). An object without a signature to read is left to its call."""
+    import inspect
+
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # some builtins and C extensions have none
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(obj, "__qualname__", repr(obj))
+        raise ConfigError(f"{key}: {name}{signature} cannot be called as {contract}: {str(e).rstrip('.')}; give it "
+                          "that signature") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.config.registry import Registry
+from baton.config.registry import Registry, check_call
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -23,6 +23,16 @@ BUFFER_FILTERS = Registry("buffer filter", {"take_first": "baton.rollout.data_so
 PLUGINS = {"rollout_function": ROLLOUT_FUNCTIONS, "generate_function": GENERATE_FUNCTIONS,
            "reward_function": REWARD_FUNCTIONS, "eval_function": EVAL_FUNCTIONS, "dynamic_filter": DYNAMIC_FILTERS,
            "buffer_filter": BUFFER_FILTERS}
+# How the rollout system calls each plug-in: (the contract, for messages; the arguments, as placeholders), checked
+# against the function's signature when the config is built.
+PLUGIN_CALLS = {
+    "rollout_function": ("fn(args, rollout_id, data_source, evaluation)", (None, 0, None, False), {}),
+    "generate_function": ("fn(args, sample, params)", (None, None, None), {}),
+    "reward_function": ("fn(args, sample)", (None, None), {}),
+    "eval_function": ("fn(args, rollout_id, data_sources, evaluation)", (None, 0, None, True), {}),
+    "dynamic_filter": ("fn(args, group)", (None, None), {}),
+    "buffer_filter": ("fn(buffer, num_groups)", (None, 0), {}),
+}
 
 
 @dataclass
@@ -132,4 +142,6 @@ class RolloutSystemConfig:
             raise ValueError("rollout_system.mask_stale_partial_tokens needs partial_rollout: true")
         for name, registry in PLUGINS.items():
             if getattr(self, name) is not None:
-                registry.get(getattr(self, name), key=f"rollout_system.{name}")
+                fn = registry.get(getattr(self, name), key=f"rollout_system.{name}")
+                contract, args, kwargs = PLUGIN_CALLS[name]
+                check_call(fn, f"rollout_system.{name} {getattr(self, name)!r}", contract, *args, **kwargs)
