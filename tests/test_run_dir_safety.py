@@ -49,9 +49,9 @@ def test_a_new_run_into_a_previous_runs_directory_is_refused_and_changes_nothing
     with pytest.raises(ConfigError) as info:
         run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=4, seed=1))
     assert str(info.value) == (
-        f"trainer.run_dir {str(tmp_path)!r} holds a previous run (metrics.jsonl, summary.json, checkpoints/step_2, "
-        "step_4), which a new run would overwrite. Continue it with trainer.resume=latest, keep it by choosing another "
-        "trainer.run_dir=..., or replace it with trainer.overwrite=true")
+        f"trainer.run_dir {str(tmp_path)!r} holds a previous run (metrics.jsonl, samples.jsonl, summary.json, "
+        "checkpoints/step_2, step_4), which a new run would overwrite. Continue it with trainer.resume=latest, keep it "
+        "by choosing another trainer.run_dir=..., or replace it with trainer.overwrite=true")
     assert snapshot(tmp_path) == before
 
 
@@ -82,8 +82,8 @@ def test_overwrite_replaces_the_run_and_leaves_no_checkpoint_of_it_to_resume(tmp
 
     run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=2, overwrite=True))
     err = capsys.readouterr().err
-    assert (f"baton: overwrite=true: removed the previous run's metrics.jsonl, summary.json, metrics.png, checkpoints "
-            f"(step_4, step_6, step_7.partial) from {tmp_path}") in err
+    assert (f"baton: overwrite=true: removed the previous run's metrics.jsonl, samples.jsonl, summary.json, "
+            f"metrics.png, checkpoints (step_4, step_6, step_7.partial) from {tmp_path}") in err
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_2"]
     assert steps_logged(tmp_path) == [0, 1, 2]
     assert json.loads((tmp_path / "summary.json").read_text())["num_steps"] == 2
@@ -125,23 +125,23 @@ def test_the_demo_run_twice_is_refused_before_its_sft_stage_trains(tmp_path, cap
     with pytest.raises(ConfigError) as info:
         DemoPipeline(tiny_demo(tmp_path))
     assert str(info.value) == (
-        f"run_dir {str(tmp_path)!r} holds a previous run (sft/metrics.jsonl, sft/summary.json, sft/checkpoints/step_1, "
-        "rlvr/metrics.jsonl, rlvr/summary.json, rlvr/checkpoints/step_1, summary.json), which a new run would "
-        "overwrite. Continue it with resume=latest, keep it by choosing another run_dir=..., or replace it with "
-        "overwrite=true")
+        f"run_dir {str(tmp_path)!r} holds a previous run (sft/metrics.jsonl, sft/samples.jsonl, sft/summary.json, "
+        "sft/checkpoints/step_1, rlvr/metrics.jsonl, rlvr/samples.jsonl, rlvr/summary.json, rlvr/checkpoints/step_1, "
+        "summary.json), which a new run would overwrite. Continue it with resume=latest, keep it by choosing another "
+        "run_dir=..., or replace it with overwrite=true")
     assert snapshot(tmp_path) == before
 
     shutil.rmtree(tmp_path / "sft")  # the second stage's run alone is refused too, before the first stage runs
-    with pytest.raises(ConfigError, match=r"holds a previous run \(rlvr/metrics.jsonl, rlvr/summary.json, "
-                                          r"rlvr/checkpoints/step_1, summary.json\)"):
+    with pytest.raises(ConfigError, match=r"holds a previous run \(rlvr/metrics.jsonl, rlvr/samples.jsonl, "
+                                          r"rlvr/summary.json, rlvr/checkpoints/step_1, summary.json\)"):
         DemoPipeline(tiny_demo(tmp_path))
     assert not (tmp_path / "sft").exists()
 
     (tmp_path / "notes.txt").write_text("mine")
     capsys.readouterr()
     DemoPipeline(tiny_demo(tmp_path, "overwrite=true"))  # both stages are cleared before the first runs
-    assert "removed the previous run's metrics.jsonl, summary.json, metrics.png, checkpoints (step_1)" in \
-        capsys.readouterr().err
+    assert ("removed the previous run's metrics.jsonl, samples.jsonl, summary.json, metrics.png, checkpoints (step_1)"
+            in capsys.readouterr().err)
     # What the new run writes before it trains (its config, and import_dirs.txt where earlier tests left import
     # directories on sys.path) stays; the old run's outputs are gone and the user's file is kept.
     assert sorted(p for p in snapshot(tmp_path) if p != "rlvr/import_dirs.txt") == ["notes.txt", "rlvr/config.yaml"]
