@@ -57,6 +57,23 @@ def test_a_reward_whose_signature_does_not_fit_its_rows_is_refused_before_ray_na
     assert not (tmp_path / "run").exists()
 
 
+def test_a_misfit_rlvr_reward_in_a_two_stage_run_is_refused_before_sft_starts(tmp_path, capsys):
+    import os
+    import shutil
+
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "reverse")
+    module = f"userreward{next(_NAMES)}"
+    (tmp_path / f"{module}.py").write_text("def score(completion, answer):\n    return 0.0\n")
+    shutil.copy(os.path.join(example, "revreward.py"), tmp_path)  # the sft stage's reward
+    (tmp_path / "config.yaml").write_text((open(os.path.join(example, "config.yaml")).read())
+                                          .replace("train.jsonl", os.path.join(example, "train.jsonl"))
+                                          .replace("val.jsonl", os.path.join(example, "val.jsonl")))
+    err = refusal(capsys, ["run", str(tmp_path / "config.yaml"), f"rlvr.reward_fn={module}:score",
+                           f"run_dir={tmp_path / 'run'}"])
+    assert f"rlvr stage: reward_fn: reward function '{module}:score' takes no parameter" in err
+    assert "resume=latest" not in err and not (tmp_path / "run").exists()  # SFT never started
+
+
 @pytest.mark.parametrize("source", [
     "def score(response, ground_truth, **fields):\n    return float(response == ground_truth)\n",
     "def score(response, ground_truth, level, prompt, uid, finish_reason):\n    return 0.0\n",
