@@ -1,6 +1,6 @@
 """The health monitor: reads each step's logged metrics and says, once per kind, when training is going wrong, with
 the likely cause and what to change. Each warning is written above the progress bar and logged as
-`health/<kind>` = 1 at the step it was given (so a run's metrics show it; `HEALTH_KINDS` lists the kinds).
+`health/<kind>` = 1 at the step it was given (so a run's metrics show it).
 
 The thresholds (docs/troubleshooting.md, "Health warnings") are set to stay quiet on a healthy run:
 
@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 LR_HINT = ("lower actor.strategy.optimizer.lr, e.g. by 3x (GRPO on a new task: start near 1e-4 to 3e-4 for the tiny "
            "model, 1e-6 to 3e-6 for a pretrained model of 0.5B to 7B; docs/troubleshooting.md, \"Health warnings\")")
-HEALTH_KINDS = ("accuracy_drop", "entropy_collapse", "kl_blowup", "grad_norm_spike", "not_finite", "lr_schedule_ended")
 
 ACCURACY_DROP_MIN, ACCURACY_DROP_SHARE = 0.1, 0.25
 ENTROPY_SHARE, ENTROPY_PATIENCE = 0.1, 3
