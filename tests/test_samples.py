@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 
 import pytest
 
@@ -22,6 +23,7 @@ from baton.pipelines.distill import DistillConfig, DistillPipeline, DistillSetti
 from baton.pipelines.dpo import DPOConfig, DPOPipeline, PairDataConfig
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
+from baton.pipelines.signals import TrainingInterrupted
 from baton.pipelines.sft import SFTPipeline
 from baton.strategy import StrategyConfig
 from baton.tracking import run_metrics, run_samples
@@ -219,12 +221,19 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
 
 
 def test_the_summary_wall_time_adds_up_over_a_resume(tmp_path):
-    run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=2))
+    class InterruptedAtStep2(RLVRPipeline):
+        def end_step(self, step, metrics, label, key):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # the loop's deferred handler: the step finishes and is saved
+            super().end_step(step, metrics, label, key)
+
+    with pytest.raises(TrainingInterrupted):
+        run_pipeline(InterruptedAtStep2, mock_grpo(tmp_path, num_steps=4, save_every_steps=100))
     earlier_s = load_state(os.path.join(tmp_path, "checkpoints", "step_2", PIPELINE_STATE))["wall_s"]
-    summary = run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=4, resume="latest"))
+    summary = run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=4, save_every_steps=100, resume="latest"))
     with open(tmp_path / "summary.json") as f:
         assert json.load(f)["wall_s"] == summary["wall_s"]
-    # The resumed part ran two steps after the checkpoint; the summary counts the part before it too.
+    # The resumed part ran steps 3 and 4; the summary counts the interrupted part before them too.
     resumed_steps_s = sum(run_metrics(str(tmp_path), wall_clock=True)[step]["timing_s/step"] for step in (3, 4))
     assert summary["resumed_from_step"] == 2
     assert summary["wall_s"] >= earlier_s + resumed_steps_s
