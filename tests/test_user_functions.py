@@ -89,6 +89,17 @@ def test_a_reward_that_fits_its_rows_passes(tmp_path, capsys, source):
         assert code == 0, err
 
 
+def test_the_rollout_systems_reward_is_checked_against_what_it_gets_there(tmp_path, capsys):
+    rollout = ["pipeline_cls=baton.pipelines.rollout_rlvr:RolloutRLVRPipeline"]
+    # the prompt and the row's own fields, no uid or finish_reason
+    code = main(own_task(tmp_path, "def score(response, ground_truth, prompt, level):\n    return 0.0\n", *rollout))
+    err = capsys.readouterr().err
+    assert code == 0, err
+    err = refusal(capsys, own_task(tmp_path, "def score(response, ground_truth, uid, **fields):\n    return 0.0\n",
+                                   *rollout))
+    assert "missing a required argument: 'uid'" in err and "then by keyword prompt (the prompt text" in err
+
+
 def test_a_verl_style_reward_missing_a_parameter_is_refused_with_verls_call(tmp_path, capsys):
     err = refusal(capsys, own_task(tmp_path, "def score(data_source, solution_str, ground_truth):\n    return 0.0\n"))
     assert "it takes no parameter 'extra_info'" in err

@@ -44,6 +44,10 @@ from baton.strategy.capabilities import backends_that, can_share_weights, capabi
 from baton.workers import ActorWorker, CriticWorker, ReferenceWorker
 from baton.workers.weight_sync import probe_batch
 
+# What the rollout system's reward gets by keyword beside the row's own fields (`GroupRewarder`): no uid or
+# finish_reason, as the trainer's batches have.
+ROLLOUT_REWARD_COLUMNS = ("prompt",)
+
 
 @dataclass
 class RolloutRewardConfig:
@@ -204,7 +208,8 @@ class RolloutRLVRPipeline(Pipeline):
     def load_data(cls, config: RolloutRLVRConfig):
         """With the SFT loss, one row per demonstration (as SFT trains), so each sample has one response."""
         train, val, tokenizer = load_datasets(config.data, config.actor.strategy.tokenizer,
-                                              RewardRoutes(config.reward_fn, config.reward_kwargs))
+                                              RewardRoutes(config.reward_fn, config.reward_kwargs),
+                                              reward_columns=ROLLOUT_REWARD_COLUMNS)
         if config.loss == "sft":
             train = train.one_response_per_row(config.data.sft_response_key)
         return train, val, tokenizer
