@@ -68,11 +68,13 @@ def batch_rows(step: int, split: str, batch: DataProto, scores: Sequence[float],
     with its reward from `scores` [rows]."""
     columns = batch.non_tensor_batch
     truths = columns.get("ground_truth")
-    responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-    return [sample_row(step, split, columns["prompt"][row], model_text(tokenizer, responses[row].tolist(),
-                                                                       mask[row].tolist()),
-                       None if truths is None else truths[row], scores[row])
-            for row in first_sample_rows(columns["uid"], num_prompts)]
+    responses, mask = batch.batch["responses"], batch.batch["response_mask"]  # [rows, response_len] each
+    rows = []
+    for row in first_sample_rows(columns["uid"], num_prompts):
+        response = model_text(tokenizer, responses[row].tolist(), mask[row].tolist())
+        rows.append(sample_row(step, split, columns["prompt"][row], response,
+                               None if truths is None else truths[row], scores[row]))
+    return rows
 
 
 # --- the console --------------------------------------------------------------------------------------
