@@ -129,3 +129,14 @@ def test_the_own_task_example_checks_a_stage_rerun_written_as_its_docs_write_it(
     assert code == 0, err
     assert "pipeline_cls: baton.recipes.demo:SFTRLVRPipeline" in out and "only_stage: rlvr" in out
     assert "lr: 0.0003" in out and "checks passed" in err
+
+
+@pytest.mark.parametrize("example, stage, role", [("dpo.yaml", "dpo", "actor"), ("distill.yaml", "distill", "teacher"),
+                                                  ("agentic.yaml", "rlvr", "actor"), ("dag_grpo.yaml", "rlvr", "actor")])
+def test_the_other_recipes_second_stage_is_checked_alone_from_a_checkpoint(sft_run, tmp_path, capsys, example, stage,
+                                                                           role):
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", example)
+    pipeline_cls, resolved = resolve(config, [f"run_dir={tmp_path}"], stage, str(sft_run / "sft"))
+    pipeline_cls.dry_run(resolved)
+    started = pipeline_cls.starting_from(resolved, stage, pipeline_cls.start_checkpoint(resolved, stage))
+    assert getattr(started, role).strategy.model == str(sft_run / "sft" / "checkpoints" / "step_2" / "actor")
