@@ -6,7 +6,6 @@ Imports stay inside the commands: `baton --help` must not pay for torch and Ray.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -48,7 +47,7 @@ def resolve(config_path: str | None, overrides: list[str], stage: str | None = N
         raise ConfigError(f"{where} {path!r} names an object of type {type(pipeline_cls).__name__}, not a pipeline "
                           f"class (a class with a config_cls, such as {DEFAULT_PIPELINE})")
     if stage is not None or init_from is not None:
-        if "only_stage" not in {f.name for f in dataclasses.fields(pipeline_cls.config_cls)}:
+        if "only_stage" not in getattr(pipeline_cls.config_cls, "__dataclass_fields__", {}):
             flag = "--stage" if stage is not None else "--init-from"
             raise ConfigError(f"{flag}: {path} runs a single stage, so there is no stage to choose; --stage and "
                               f"--init-from run one stage of a multi-stage config (such as {NEUTRAL_PIPELINE}). To "
