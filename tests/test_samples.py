@@ -199,6 +199,15 @@ def test_progress_on_a_non_terminal_writes_lines_not_carriage_returns(tmp_path, 
     assert "reward=" in lines[-1] and "val_acc=" in lines[-1]
 
 
+def test_a_logged_run_of_a_model_writes_no_carriage_return_at_all(tmp_path, capsys):
+    """Besides the loop's bar, transformers' bars (loading weights, writing each checkpoint) are off off a terminal."""
+    pipeline_cls, config = sft(tmp_path)
+    config.trainer.progress_bar = True
+    run_pipeline(pipeline_cls, config)
+    err = capsys.readouterr().err
+    assert "sft: step 2/2 (100%)" in err and "\r" not in err
+
+
 def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
     class Terminal(io.StringIO):
         def isatty(self):

@@ -35,7 +35,7 @@ from baton.pipelines.signals import TrainingInterrupted, deferred_interrupt
 from baton.pipelines.time_sharing import TimeSharing
 from baton.tracking import Tracker, plot_run
 from baton.tracking.health import HealthMonitor
-from baton.tracking.progress import progress
+from baton.tracking.progress import progress, quiet_library_bars
 from baton.tracking.samples import batch_rows, print_validation
 from baton.workers.weight_sync import ModelUpdatePair
 
@@ -64,6 +64,7 @@ class Pipeline:
         with open(os.path.join(trainer.run_dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(config))
         record_import_dirs(trainer.run_dir)  # loading that config.yaml later finds the same modules
+        quiet_library_bars()  # before any worker starts, so that they inherit it
         if trainer.backend == "ray":
             start_ray(trainer)
         # Reserve only the device slots the roles use (on a CPU-only machine every slot is a CPU that the

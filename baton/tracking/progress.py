@@ -3,6 +3,7 @@ interval, so that the log reads line by line instead of filling with carriage re
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Iterable
@@ -63,9 +64,23 @@ class LineProgress:
         self.last_line_s, self.last_line_n = now, self.n
 
 
+def quiet_library_bars(file=None) -> None:
+    """Where `file` (default stderr) is no terminal, turn off transformers' and huggingface_hub's progress bars
+    (loading and writing weights, at each checkpoint), whose carriage returns would fill a log file: in this process
+    and, through the environment they inherit, in the worker processes it starts. An explicit
+    HF_HUB_DISABLE_PROGRESS_BARS is kept."""
+    if _is_terminal(file or sys.stderr):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def _is_terminal(file) -> bool:
     isatty = getattr(file, "isatty", None)
     return bool(isatty and isatty())
 
 
-__all__ = ["LINE_INTERVAL_S", "LineProgress", "progress"]
+__all__ = ["LINE_INTERVAL_S", "LineProgress", "progress", "quiet_library_bars"]
