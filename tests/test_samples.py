@@ -77,8 +77,9 @@ def dag(run_dir):
 def dpo(run_dir):
     pairs = str(run_dir.parent / "pairs.jsonl")
     write_pairs(pairs, max_operand=9, num_val=6)
-    return DPOPipeline, DPOConfig(actor=tiny_role(micro_batch_size_per_worker=4), pairs=PairDataConfig(train_path=pairs),
-                                  **DATA, val_sampling=VAL_SAMPLING, trainer=trainer(run_dir))
+    return DPOPipeline, DPOConfig(actor=tiny_role(micro_batch_size_per_worker=4),
+                                  pairs=PairDataConfig(train_path=pairs), **DATA, val_sampling=VAL_SAMPLING,
+                                  trainer=trainer(run_dir))
 
 
 def distill(run_dir):
@@ -132,7 +133,7 @@ def test_log_samples_zero_writes_no_samples_and_keeps_the_validation_line(tmp_pa
     run_pipeline(RLVRPipeline, mock_grpo(tmp_path, log_samples=0))
     assert not os.path.exists(tmp_path / "samples.jsonl")
     err = capsys.readouterr().err
-    assert "baton: step 2/2 validation: accuracy" in err and "prompt | response" not in err
+    assert f"baton: {tmp_path.name} step 2/2 validation: accuracy" in err and "prompt | response" not in err
 
 
 @pytest.mark.parametrize("name", ["rlvr", "rollout_system"])
@@ -154,7 +155,7 @@ def test_the_console_prints_a_line_and_the_samples_table_at_each_validation(tmp_
     err = capsys.readouterr().err
     metrics = run_metrics(str(tmp_path))
     for step in (0, 1, 2):
-        line = f"baton: step {step}/2 validation: accuracy {metrics[step]['val/accuracy']:.3f}, mean reward "
+        line = f"baton: {tmp_path.name} step {step}/2 validation: accuracy {metrics[step]['val/accuracy']:.3f}, mean "
         assert line in err, err
     assert err.count("prompt | response | ground truth | reward") == 3
     rows = run_samples(str(tmp_path))
@@ -175,9 +176,10 @@ def test_the_table_keeps_each_sample_on_one_line_cut_to_its_width():
 def test_the_validation_line_names_the_figures_that_matter():
     metrics = {"val/accuracy": 0.75, "val/reward/mean": 0.8, "val/pass@2": 0.8, "val/pass@4": 0.9,
                "val/response_length/mean": 12.25, "val/truncated_ratio": 0.0}
-    assert validation_line(10, 50, metrics) == ("baton: step 10/50 validation: accuracy 0.750, mean reward 0.800, "
-                                                "pass@4 0.900, response length 12.2 tokens")
-    assert validation_line(10, 50, {}) is None
+    assert validation_line("rlvr", 10, 50, metrics) == (
+        "baton: rlvr step 10/50 validation: accuracy 0.750, mean reward 0.800, pass@4 0.900, response length 12.2 "
+        "tokens")
+    assert validation_line("rlvr", 10, 50, {}) is None
 
 
 def test_model_text_leaves_out_the_environments_tokens():

@@ -297,7 +297,8 @@ class Pipeline:
         metrics = self.validate()
         if self.val_samples:
             self.tracker.log_samples(self.val_samples, step)
-        print_validation(step, self.trainer.num_steps, metrics, self.val_samples)
+        run = os.path.basename(os.path.normpath(self.trainer.run_dir))  # a stage's: "sft", "rlvr"
+        print_validation(run, step, self.trainer.num_steps, metrics, self.val_samples)
         return metrics
 
     def validate(self) -> dict[str, float]:

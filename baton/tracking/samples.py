@@ -79,9 +79,10 @@ def batch_rows(step: int, split: str, batch: DataProto, scores: Sequence[float],
 
 # --- the console --------------------------------------------------------------------------------------
 
-def validation_line(step: int, num_steps: int, metrics: dict[str, float]) -> str | None:
+def validation_line(run: str, step: int, num_steps: int, metrics: dict[str, float]) -> str | None:
     """One line with the validation's figures that matter: accuracy, mean reward, the largest pass@k, response
-    length; None when it logged none (no held-out data)."""
+    length, after the run's name (`run`: its directory's, e.g. a stage's "sft"); None when it logged none (no
+    held-out data)."""
     if "val/accuracy" not in metrics:
         return None
     figures = [f"accuracy {metrics['val/accuracy']:.3f}"]
@@ -93,7 +94,7 @@ def validation_line(step: int, num_steps: int, metrics: dict[str, float]) -> str
         figures.append(f"pass@{passes[-1][0]} {passes[-1][1]:.3f}")
     if "val/response_length/mean" in metrics:
         figures.append(f"response length {metrics['val/response_length/mean']:.1f} tokens")
-    return f"baton: step {step}/{num_steps} validation: " + ", ".join(figures)
+    return f"baton: {run} step {step}/{num_steps} validation: " + ", ".join(figures)
 
 
 def samples_table(rows: list[dict]) -> str:
@@ -111,9 +112,10 @@ def samples_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def print_validation(step: int, num_steps: int, metrics: dict[str, float], rows: list[dict], file=None) -> None:
+def print_validation(run: str, step: int, num_steps: int, metrics: dict[str, float], rows: list[dict],
+                     file=None) -> None:
     """The validation's line and its samples' table on stderr, above the progress bar (`tqdm.write`)."""
-    line = validation_line(step, num_steps, metrics)
+    line = validation_line(run, step, num_steps, metrics)
     text = "\n".join(filter(None, [line, samples_table(rows) if rows else None]))
     if text:
         tqdm.write(text, file=file or sys.stderr)
