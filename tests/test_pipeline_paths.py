@@ -186,3 +186,11 @@ def test_the_transform_example_runs(tmp_path):
     pipeline_cls, config = resolve(os.path.join(EXAMPLES, "transform.yaml"), [*overrides, f"trainer.run_dir={tmp_path}"])
     summary = run_pipeline(pipeline_cls, config)
     assert summary["rows"] == 100 and summary["accuracy"] == 1.0  # the evaluators compute every sum right
+
+
+def test_the_transform_examples_progress_is_lines_off_a_terminal(tmp_path, capsys):
+    """Its progress goes through baton.tracking.progress as the training loop's does: lines, no carriage returns."""
+    overrides = ["num_steps=2", "num_rows_per_step=10", "trainer.backend=local", f"trainer.run_dir={tmp_path}"]
+    run_pipeline(*resolve(os.path.join(EXAMPLES, "transform.yaml"), overrides))
+    err = capsys.readouterr().err
+    assert "transform: step 2/2 (100%)" in err and "\r" not in err, err

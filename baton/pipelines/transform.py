@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from baton.data import DataProto
 from baton.distributed import Dispatch, Worker, register
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import TrainerConfig, WorkerSettings
+from baton.tracking.progress import progress
 
 VOCAB = "<pad>0123456789+=".split("<pad>")[1]  # ids 1.. for these characters; 0 is padding
 
@@ -97,7 +97,8 @@ class TransformPipeline(Pipeline):
         rng = random.Random(config.trainer.seed)
         num_correct = num_rows = 0
         start = time.perf_counter()
-        for _ in tqdm(range(config.num_steps), desc="transform", unit="step", disable=not config.trainer.progress_bar):
+        for _ in progress(range(config.num_steps), "transform", initial=0, total=config.num_steps,
+                          enabled=config.trainer.progress_bar):
             prompts = make_prompts(config.num_rows_per_step, rng)
             encoded = self.encoders.encode(prompts)  # DataProtoFuture: stays with the encoder workers
             scored = self.evaluators.evaluate(encoded)  # evaluator workers fetch their rows from the encoders
