@@ -78,12 +78,15 @@ def test_overwrite_replaces_the_run_and_leaves_no_checkpoint_of_it_to_resume(tmp
     assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["step_4", "step_6"]
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "checkpoints" / "step_7.partial").mkdir()  # a save that was cut short
+    (tmp_path / "tensorboard").mkdir()  # what the tensorboard sink wrote
+    (tmp_path / "tensorboard" / "events.out.tfevents.1.old").write_bytes(b"old")
     capsys.readouterr()
 
     run_pipeline(RLVRPipeline, mock_grpo(tmp_path, num_steps=2, overwrite=True))
     err = capsys.readouterr().err
     assert (f"baton: overwrite=true: removed the previous run's metrics.jsonl, samples.jsonl, summary.json, "
-            f"metrics.png, checkpoints (step_4, step_6, step_7.partial) from {tmp_path}") in err
+            f"metrics.png, tensorboard/, checkpoints (step_4, step_6, step_7.partial) from {tmp_path}") in err
+    assert not (tmp_path / "tensorboard").exists()  # this run logs to jsonl only
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_2"]
     assert steps_logged(tmp_path) == [0, 1, 2]
     assert json.loads((tmp_path / "summary.json").read_text())["num_steps"] == 2

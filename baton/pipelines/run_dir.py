@@ -13,6 +13,9 @@ CHECKPOINT_PREFIX = "step_"
 # with the checkpoints: what shows that a run wrote a directory
 RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "summary.json")
 RUN_OUTPUTS = (*RUN_RECORDS, "metrics.png")  # with the checkpoints: what `trainer.overwrite` removes
+# and the tensorboard sink's event files, which tensorboard would otherwise show beside the new run's (wandb's
+# directory stays: each wandb run has its own there, and an offline one may not be synced yet)
+RUN_OUTPUT_DIRS = ("tensorboard",)
 
 
 def checkpoint_path(run_dir: str, step: int) -> str:
@@ -57,12 +60,16 @@ def check_run_dir(trainer: TrainerConfig) -> None:
 
 
 def remove_previous_run(run_dir: str) -> None:
-    """Remove the outputs of the run that wrote `run_dir` before (`RUN_OUTPUTS` and its checkpoints, partial ones
-    too), so that no later `resume=latest` picks up one of its checkpoints; says so on stderr. Nothing else in
-    `run_dir` is touched."""
+    """Remove the outputs of the run that wrote `run_dir` before (`RUN_OUTPUTS`, `RUN_OUTPUT_DIRS` and its
+    checkpoints, partial ones too), so that no later `resume=latest` picks up one of its checkpoints; says so on
+    stderr. Nothing else in `run_dir` is touched."""
     removed = [name for name in RUN_OUTPUTS if os.path.isfile(os.path.join(run_dir, name))]
     for name in removed:
         os.remove(os.path.join(run_dir, name))
+    for name in RUN_OUTPUT_DIRS:
+        if os.path.isdir(os.path.join(run_dir, name)) and not os.path.islink(os.path.join(run_dir, name)):
+            shutil.rmtree(os.path.join(run_dir, name))
+            removed.append(f"{name}/")
     root = os.path.dirname(checkpoint_path(run_dir, 0))
     steps = sorted(d for d in os.listdir(root) if d.startswith(CHECKPOINT_PREFIX)
                    and d[len(CHECKPOINT_PREFIX):].removesuffix(".partial").isdigit()) if os.path.isdir(root) else []
