@@ -54,6 +54,7 @@ def test_a_reward_whose_signature_does_not_fit_its_rows_is_refused_before_ray_na
             "'solution' field (data.answer_key), then by keyword prompt (the prompt text, the data's 'question' field, "
             "data.prompt_key), uid, finish_reason, and the data's other fields 'level'; write it as "
             "def score(response, ground_truth, **fields) and read what it needs from fields") in err
+    assert "add **fields" not in err  # the fix is said once, at the end
     assert not (tmp_path / "run").exists()
 
 

@@ -244,8 +244,9 @@ def check_reward_signatures(routes: RewardRoutes, data_fields, *, prompt_key: st
         try:
             reward.check_columns(columns)
             _check_binds(reward, columns, prompt_key, answer_key)
-        except ValueError as e:
-            raise ValueError(f"{e}. {describe_call(reward, columns, prompt_key, answer_key)}") from None
+        except ValueError as e:  # the description ends with how to write it: the column check's own fix goes
+            problem = str(e).removesuffix("; add **fields to its signature")
+            raise ValueError(f"{problem}. {describe_call(reward, columns, prompt_key, answer_key)}") from None
 
 
 def _check_binds(reward: Reward, columns: list[str], prompt_key: str, answer_key: str | None) -> None:
