@@ -197,3 +197,37 @@ def test_grpo_at_a_destructive_lr_is_told_its_accuracy_fell_and_a_good_lr_is_tol
     warned = [step for step in steps if steps[step].get("health/accuracy_drop")]
     assert warned == [2], {step: steps[step].get("val/accuracy") for step in steps}
     assert f"baton: warning: step 2: held-out accuracy fell from {start:.3f}" in capfd.readouterr().err
+
+
+def test_a_monitors_state_carries_what_it_warned_of_and_its_running_figures():
+    first = HealthMonitor(num_steps=10)
+    for step, norm in enumerate([1.0, 1.2, 0.9, 1.1, 1.0], 1):
+        first.check(step, {"actor/grad_norm": norm, "actor/loss": float("nan") if step == 5 else 0.1})
+    again = HealthMonitor(num_steps=10)
+    again.load_state_dict(first.state_dict())
+    assert again.check(6, {"actor/loss": float("nan")}) == {}  # warned before the resume: not again
+    assert again.check(7, {"actor/grad_norm": 50.0}) == {"health/grad_norm_spike": 1.0}  # the median came along
+
+
+def test_a_resumed_run_does_not_warn_again_of_what_it_warned_before(tmp_path, monkeypatch):
+    """Every step looks non-finite here (the check patched): the warning comes once, at step 1, and the run resumed
+    from step 2's checkpoint goes on without it, since the monitor's state is in the checkpoint."""
+    from baton.pipelines.base import run_pipeline
+    from baton.pipelines.rlvr import RLVRPipeline
+    from baton.pipelines.config import SamplingConfig
+    from baton.tracking import run_metrics
+
+    monkeypatch.setattr(HealthMonitor, "_not_finite", lambda self, metrics: "a loss is NaN (patched)")
+    role = RoleConfig(strategy=StrategyConfig(name="mock"))
+
+    def config(num_steps, **trainer):
+        return RLVRConfig(actor=role, rollout=role, data=DataConfig(max_operand=9, num_val_examples=4),
+                          sampling=SamplingConfig(max_new_tokens=3, num_samples_per_prompt=2),
+                          trainer=TrainerConfig(backend="local", run_dir=str(tmp_path), num_prompts_per_step=4,
+                                                num_steps=num_steps, val_every_steps=100, save_every_steps=2,
+                                                progress_bar=False, **trainer))
+
+    run_pipeline(RLVRPipeline, config(2))
+    run_pipeline(RLVRPipeline, config(4, resume="latest"))
+    steps = run_metrics(str(tmp_path))
+    assert [step for step in sorted(steps) if "health/not_finite" in steps[step]] == [1]

@@ -95,6 +95,8 @@ class Pipeline:
         self.wall_s_before_resume = 0.0  # the wall time of the run's earlier parts (before the checkpoint it resumed)
         self.run_start_s = time.perf_counter()  # this part's start (reset by `make_tracker`, as the loop begins)
         self.sampler: PromptSampler | None = None  # the training data position, saved with checkpoints
+        self.health: HealthMonitor | None = None  # made with the tracker, as the loop begins
+        self.health_state: dict | None = None  # a resumed run's monitor state, from its checkpoint
 
     @classmethod
     def dry_run(cls, config):
@@ -192,7 +194,8 @@ class Pipeline:
     def pipeline_state(self) -> dict:
         """What besides the clusters a resume needs: step, data position, the sampling clusters' generators
         (`<name>_sampling`), RNG states."""
-        return {"global_step": self.global_step, "first_val": self.first_val, "wall_s": self.wall_s(),
+        health = self.health.state_dict() if self.health is not None else self.health_state
+        return {"global_step": self.global_step, "first_val": self.first_val, "wall_s": self.wall_s(), "health": health,
                 "sampler": self.sampler.state_dict() if self.sampler else None,
                 **sampling_states(self.named(self.sampling_clusters)), "rng": rng_states()}
 
@@ -200,6 +203,7 @@ class Pipeline:
         self.global_step = state["global_step"]
         self.first_val = state.get("first_val")  # absent in checkpoints written before it was kept
         self.wall_s_before_resume = state.get("wall_s", 0.0)  # absent in checkpoints written before it was kept
+        self.health_state = state.get("health")  # the monitor's, loaded into it when the run starts (`make_tracker`)
         if self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
         load_sampling_states(self.named(self.sampling_clusters), state)
@@ -322,6 +326,8 @@ class Pipeline:
         self.tracker = Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
                                resumed_from_step=self.global_step if self.global_step > 0 else None)
         self.health = HealthMonitor(self.trainer.num_steps)  # reads each step's metrics (`end_step`)
+        if self.health_state is not None:  # a resumed run: what it had seen and warned of
+            self.health.load_state_dict(self.health_state)
         return self.tracker
 
     def finish(self, summary: dict) -> dict:

@@ -66,6 +66,24 @@ class HealthMonitor:
                 tqdm.write(f"baton: warning: step {step}: {problem}", file=sys.stderr)
         return found
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to go on watching as if it had not stopped: the kinds already warned of (each
+        warns once per stage, across resumes too), the stage's start and the running figures."""
+        return {"warned": sorted(self.warned), "start_val": list(self.start_val) if self.start_val else None,
+                "recent_vals": list(self.recent_vals), "first_entropy": self.first_entropy,
+                "num_low_entropy_steps": self.num_low_entropy_steps,
+                "grad_norms": {key: list(history) for key, history in self.grad_norms.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.warned = set(state["warned"])
+        self.start_val = tuple(state["start_val"]) if state["start_val"] else None
+        self.recent_vals.clear()
+        self.recent_vals.extend(state["recent_vals"])
+        self.first_entropy, self.num_low_entropy_steps = state["first_entropy"], state["num_low_entropy_steps"]
+        for key, history in self.grad_norms.items():
+            history.clear()
+            history.extend(state["grad_norms"].get(key, ()))
+
     # --- each kind: the message when it applies, else None ----------------------------------------
 
     def _accuracy_drop(self, metrics: dict[str, float], first_val: dict[str, float] | None) -> str | None:
