@@ -145,10 +145,13 @@ def test_kl_or_the_rollout_gap_blowing_up_warns_once(capsys, key, value, says):
     assert says in capsys.readouterr().err
 
 
-def test_a_grad_norm_spike_over_the_running_median_warns_not_a_nan_and_not_a_step_after_zeros():
+def test_grad_norm_spikes_over_the_running_median_warn_when_they_repeat_not_a_nan_and_not_a_step_after_zeros():
     norms = [1.0, 0.0, 1.2, 0.8, 0.0, 0.0, 1.1, 0.9, 9.0, float("nan"), 1.0, 25.0, 30.0]  # median of nonzero: 1.0
     found = watch([{"actor/grad_norm": norm} for norm in norms])
-    assert found == {10: {"health/not_finite": 1.0}, 12: {"health/grad_norm_spike": 1.0}}
+    assert found == {10: {"health/not_finite": 1.0}, 13: {"health/grad_norm_spike": 1.0}}  # the second spike
+    # one spike (a loss leaving a plateau, as in the demo's SFT), or two 50 steps apart: clipping bounds each
+    assert watch([{"actor/grad_norm": norm} for norm in [1.0] * 10 + [25.0] + [1.0] * 10]) == {}
+    assert watch([{"actor/grad_norm": norm} for norm in [1.0] * 10 + [25.0] + [1.0] * 49 + [25.0]]) == {}
 
 
 def test_a_non_finite_loss_warns():
@@ -201,12 +204,14 @@ def test_grpo_at_a_destructive_lr_is_told_its_accuracy_fell_and_a_good_lr_is_tol
 
 def test_a_monitors_state_carries_what_it_warned_of_and_its_running_figures():
     first = HealthMonitor(num_steps=10)
-    for step, norm in enumerate([1.0, 1.2, 0.9, 1.1, 1.0], 1):
-        first.check(step, {"actor/grad_norm": norm, "actor/loss": float("nan") if step == 5 else 0.1})
+    for step, norm in enumerate([1.0, 1.2, 0.9, 1.1, 1.0, 50.0], 1):  # a first spike at step 6: no warning yet
+        assert "health/grad_norm_spike" not in first.check(step, {"actor/grad_norm": norm,
+                                                                   "actor/loss": float("nan") if step == 5 else 0.1})
     again = HealthMonitor(num_steps=10)
     again.load_state_dict(first.state_dict())
-    assert again.check(6, {"actor/loss": float("nan")}) == {}  # warned before the resume: not again
-    assert again.check(7, {"actor/grad_norm": 50.0}) == {"health/grad_norm_spike": 1.0}  # the median came along
+    assert again.check(7, {"actor/loss": float("nan")}) == {}  # warned before the resume: not again
+    # the median and the first spike came along: the second spike warns
+    assert again.check(8, {"actor/grad_norm": 60.0}) == {"health/grad_norm_spike": 1.0}
 
 
 def test_a_resumed_run_does_not_warn_again_of_what_it_warned_before(tmp_path, monkeypatch):

@@ -11,8 +11,9 @@ The thresholds (docs/troubleshooting.md, "Health warnings") are set to stay quie
 - kl_blowup: the KL to the reference (`actor/kl`, `actor/reward_kl_penalty`) above 1 nat per token; the policy's
   change within a step (`actor/ppo_kl`) above 0.1; the actor's log-probs of the samples off the rollout's
   (`rollout/logprob_diff/mean`) by more than 0.5 on average.
-- grad_norm_spike: `actor/grad_norm` (or `critic/grad_norm`) above 10 × the median of the last 50 nonzero values,
-  once 5 are known.
+- grad_norm_spike: `actor/grad_norm` (or `critic/grad_norm`) above 10 × the median of the last 50 nonzero values
+  (once 5 are known) at two steps within 50: with gradient clipping on (the default) one spike's update is bounded,
+  and one comes with a loss leaving a plateau (the demo's SFT has one); spikes that repeat are the problem.
 - not_finite: a loss or grad norm that is NaN or infinite (the weights are then NaN too).
 - lr_schedule_ended: `actor/lr` (or `critic/lr`) at 0 with steps left: the lr schedule ended before the stage.
 """
@@ -32,7 +33,7 @@ LR_HINT = ("lower actor.strategy.optimizer.lr, e.g. by 3x (GRPO on a new task: s
 ACCURACY_DROP_MIN, ACCURACY_DROP_SHARE = 0.1, 0.25
 ENTROPY_SHARE, ENTROPY_PATIENCE = 0.1, 3
 KL_LIMITS = {"actor/kl": 1.0, "actor/reward_kl_penalty": 1.0, "actor/ppo_kl": 0.1, "rollout/logprob_diff/mean": 0.5}
-SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 10.0, 50, 5
+SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY, SPIKE_REPEATS = 10.0, 50, 5, 2
 GRAD_NORM_KEYS = ("actor/grad_norm", "critic/grad_norm")
 LR_KEYS = ("actor/lr", "critic/lr")
 
@@ -50,13 +51,14 @@ class HealthMonitor:
         self.first_entropy: float | None = None
         self.num_low_entropy_steps = 0
         self.grad_norms = {key: deque(maxlen=SPIKE_WINDOW) for key in GRAD_NORM_KEYS}
+        self.spike_steps: list[int] = []  # the steps of the spikes seen within the last SPIKE_WINDOW steps
 
     def check(self, step: int, metrics: dict[str, float], first_val: dict[str, float] | None = None
               ) -> dict[str, float]:
         found = {}
         for kind, problem in (("not_finite", self._not_finite(metrics)),
                               ("lr_schedule_ended", self._lr_ended(step, metrics)),
-                              ("grad_norm_spike", self._grad_norm_spike(metrics)),
+                              ("grad_norm_spike", self._grad_norm_spike(step, metrics)),
                               ("kl_blowup", self._kl_blowup(metrics)),
                               ("entropy_collapse", self._entropy_collapse(metrics)),
                               ("accuracy_drop", self._accuracy_drop(metrics, first_val))):
@@ -72,7 +74,8 @@ class HealthMonitor:
         return {"warned": sorted(self.warned), "start_val": list(self.start_val) if self.start_val else None,
                 "recent_vals": list(self.recent_vals), "first_entropy": self.first_entropy,
                 "num_low_entropy_steps": self.num_low_entropy_steps,
-                "grad_norms": {key: list(history) for key, history in self.grad_norms.items()}}
+                "grad_norms": {key: list(history) for key, history in self.grad_norms.items()},
+                "spike_steps": list(self.spike_steps)}
 
     def load_state_dict(self, state: dict) -> None:
         self.warned = set(state["warned"])
@@ -83,6 +86,7 @@ class HealthMonitor:
         for key, history in self.grad_norms.items():
             history.clear()
             history.extend(state["grad_norms"].get(key, ()))
+        self.spike_steps = list(state.get("spike_steps", ()))
 
     # --- each kind: the message when it applies, else None ----------------------------------------
 
@@ -142,22 +146,28 @@ class HealthMonitor:
         return (f"the policy is moving too far: {shown}. The usual cause is a learning rate too high for the task; "
                 f"{LR_HINT}. With a reference, a larger algorithm.kl_loss_coef holds the policy nearer it")
 
-    def _grad_norm_spike(self, metrics: dict[str, float]) -> str | None:
-        problem = None
+    def _grad_norm_spike(self, step: int, metrics: dict[str, float]) -> str | None:
+        spike = None
         for key, history in self.grad_norms.items():
             norm = metrics.get(key)
             if norm is None or not math.isfinite(norm):
                 continue
-            if problem is None and len(history) >= SPIKE_MIN_HISTORY:
+            if spike is None and len(history) >= SPIKE_MIN_HISTORY:
                 median = statistics.median(history)
                 if norm > SPIKE_FACTOR * median:
-                    problem = (f"{key} = {norm:.3g}, over {SPIKE_FACTOR:g}x the median of the last {len(history)} "
-                               f"steps ({median:.3g}): one batch pushed the weights far. Gradient clipping "
-                               "(actor.strategy.grad_clip, default 1.0) bounds the step itself; if it is off, turn it "
-                               f"on; if spikes repeat, {LR_HINT}")
+                    spike = (key, norm, median, len(history))
             if norm > 0:  # a step without learning signal has no gradient; it says nothing about the scale
                 history.append(norm)
-        return problem
+        if spike is None:
+            return None
+        self.spike_steps = [s for s in self.spike_steps if step - s < SPIKE_WINDOW] + [step]
+        if len(self.spike_steps) < SPIKE_REPEATS:
+            return None
+        key, norm, median, num = spike
+        return (f"{key} = {norm:.3g}, over {SPIKE_FACTOR:g}x the median of the last {num} steps ({median:.3g}), "
+                f"the {len(self.spike_steps)}th such spike within {SPIKE_WINDOW} steps (steps "
+                f"{', '.join(map(str, self.spike_steps))}): batches keep pushing the weights far. Gradient clipping "
+                f"(actor.strategy.grad_clip, default 1.0) bounds each step; if it is off, turn it on; {LR_HINT}")
 
     def _not_finite(self, metrics: dict[str, float]) -> str | None:
         bad = sorted(key for key, value in metrics.items()
