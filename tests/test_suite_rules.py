@@ -129,12 +129,19 @@ def timed_asserts(source: str, filename: str = "<test>") -> list[str]:
     return [found[line] for line in sorted(found)]
 
 
-def test_no_test_asserts_on_wall_clock_time():
+def findings(rule, *directories: str) -> list[str]:
+    """What `rule(source, filename)` finds in every .py file of `directories`."""
     found = []
-    for name in sorted(os.listdir(TESTS)):
-        if name.endswith(".py"):
-            with open(os.path.join(TESTS, name), encoding="utf-8") as f:
-                found += timed_asserts(f.read(), name)
+    for directory in directories:
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".py"):
+                with open(os.path.join(directory, name), encoding="utf-8") as f:
+                    found += rule(f.read(), name)
+    return found
+
+
+def test_no_test_asserts_on_wall_clock_time():
+    found = findings(timed_asserts, TESTS)
     assert not found, ("tests assert on elapsed wall-clock time; assert on what happened and let "
                        "@pytest.mark.timeout catch a hang (speed targets go in bench/):\n" + "\n".join(found))
 
@@ -183,12 +190,7 @@ def hand_read_metrics(source: str, filename: str = "<test>") -> list[str]:
 
 
 def test_tests_and_benches_read_metrics_with_the_one_reader():
-    found = []
-    for directory in (TESTS, BENCH):
-        for name in sorted(os.listdir(directory)):
-            if name.endswith(".py"):
-                with open(os.path.join(directory, name), encoding="utf-8") as f:
-                    found += hand_read_metrics(f.read(), name)
+    found = findings(hand_read_metrics, TESTS, BENCH)
     assert not found, ("these parse a metrics.jsonl by hand; use baton.tracking.run_metrics(run_dir) (by step, "
                        "without timings) or read_metrics(path) (the records as written):\n" + "\n".join(found))
 

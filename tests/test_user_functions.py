@@ -27,6 +27,14 @@ def own_task(tmp_path, reward_source: str, *settings: str) -> list[str]:
     return ["config", str(tmp_path / "config.yaml"), *settings]
 
 
+def importable(tmp_path, monkeypatch, prefix: str, source: str) -> str:
+    """`source` as a module of a fresh name starting with `prefix`, importable for this test; its name."""
+    module = f"{prefix}{next(_NAMES)}"
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return module
+
+
 def refusal(capsys, argv) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -162,9 +170,7 @@ def test_an_environment_is_checked_by_its_signatures_when_the_config_is_read(tmp
     from baton.agentic.rollout import AgenticSettings
     from baton.config import ConfigError
 
-    module = f"userenv{next(_NAMES)}"
-    (tmp_path / f"{module}.py").write_text(ENV_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importable(tmp_path, monkeypatch, "userenv", ENV_SOURCE)
     if message is None:
         AgenticSettings(env=f"{module}:{env}", env_kwargs=kwargs)
     else:
@@ -216,9 +222,7 @@ def test_a_rollout_plug_in_is_checked_by_its_signature_when_the_config_is_read(t
     from baton.config import ConfigError
     from baton.rollout.config import RolloutSystemConfig
 
-    module = f"userplugins{next(_NAMES)}"
-    (tmp_path / f"{module}.py").write_text(PLUGIN_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importable(tmp_path, monkeypatch, "userplugins", PLUGIN_SOURCE)
     if message is None:
         RolloutSystemConfig(**{setting: f"{module}:{fn}"})
     else:
