@@ -266,6 +266,7 @@ def read_prompts(path: str | None, tokenizer, prompt_key: str = "prompt") -> lis
     if path.endswith((".jsonl", ".parquet")):
         from baton.datasets import PromptDataset
         from baton.datasets.files import read_rows
+        from baton.datasets.prompts import has_field
 
         rows, positions, unit = read_rows(path, {prompt_key: "..."})
         missing = next((i for i, row in enumerate(rows) if not (isinstance(row, dict) and has_field(row, prompt_key))),
@@ -279,18 +280,6 @@ def read_prompts(path: str | None, tokenizer, prompt_key: str = "prompt") -> lis
     with open(path, "rb") as f:
         lines = [check_text(raw, f"{path}, line {number}") for number, raw in enumerate(f, start=1)]
     return [line.rstrip("\r\n") for line in lines if line.strip()]
-
-
-def has_field(row: dict, key: str) -> bool:
-    """Whether `row` has the field `key`, or the nested field a dotted `key` names (as data keys may)."""
-    if key in row:
-        return True
-    value = row
-    for part in key.split("."):
-        if not (isinstance(value, dict) and part in value):
-            return False
-        value = value[part]
-    return True
 
 
 def check_text(text: str | bytes, where: str) -> str:

@@ -394,6 +394,11 @@ def _with_paths_copied(example: dict[str, Any], keys: set[str]) -> dict[str, Any
 _NOT_FOUND = object()
 
 
+def has_field(example: dict[str, Any], key: str) -> bool:
+    """Whether `example` has the field `key`, or the nested field a dotted `key` names (as data keys may)."""
+    return key in example or _follow(example, key) is not _NOT_FOUND
+
+
 def _follow(example: dict[str, Any], key: str) -> Any:
     """The value at the dotted path `key` in `example`, or _NOT_FOUND."""
     value = example
