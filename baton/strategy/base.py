@@ -72,6 +72,40 @@ class SchedulerConfig:
         return max(0, num_updates - max(self.total_steps, self.warmup_steps + 1))
 
 
+# The attention and MLP projections of Qwen2 and Llama (and most causal LMs that follow them).
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (peft) on a training role: each `target_modules` Linear W becomes W + (alpha / rank) · B A with A
+    [rank, in] and B [out, rank] trained (B starts at 0, so the model starts as its base) and W frozen.
+
+    target_modules: module names (the last part of a dotted name, as peft matches them); the embeddings and the LM
+        head cannot be targets, since the log-probs read the LM head's weight directly (`baton.strategy.logprobs`).
+    dropout: on the adapter's input in training; 0 keeps train_step's log-probs equal to forward()'s.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora rank={self.rank} must be >= 1 (e.g. 8)")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora alpha={self.alpha} must be a finite number above 0 (e.g. 2 × rank)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError(f"lora target_modules is empty; name the Linear layers to adapt, e.g. {LORA_TARGET_MODULES}")
+        untargetable = sorted({"lm_head", "embed_tokens"} & set(self.target_modules))
+        if untargetable:
+            raise ValueError(f"lora target_modules {untargetable}: the log-probs read the LM head's and embeddings' "
+                             "weights directly, so an adapter there would be ignored; target the projections only")
+
+
 @dataclass
 class StrategyConfig:
     """How one role's model is built and trained.
@@ -87,6 +121,10 @@ class StrategyConfig:
         (`baton.strategy.padding`): a micro-batch of short rows cut from a batch padded to a long one costs
         only its own length. Outputs at the real tokens are those of the padded micro-batch up to float
         rounding; padding positions get zeros. A single micro-batch of the whole batch has no such columns.
+    lora: None trains every parameter; a `LoraConfig` trains a LoRA adapter (peft) on the frozen model instead
+        (kind causal_lm, strategy hf): only the adapter's weights are in the optimizer, checkpoints hold the adapter,
+        exported weights (the weight sync's) are merged into plain HF names, and an RLVR reference that is the
+        initial model is this model with the adapter off (no second copy).
     dtype: the parameters' dtype, and so the optimizer's: AdamW updates parameters of this dtype.
     compute_dtype: None computes in `dtype`; "bfloat16" is mixed precision: the parameters stay in
         `dtype` (which must be float32: the master copy, with float32 gradients and AdamW state),
@@ -110,6 +148,7 @@ class StrategyConfig:
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
     trim_padding: bool = True
+    lora: LoraConfig | None = None  # None: full fine-tuning
     tokenizer: str | None = None  # local tokenizer directory; None: the shipped character tokenizer
     # An inference engine's own settings (the `vllm` strategy: more `vllm.EngineArgs` fields, e.g. kv_cache_memory_bytes,
     # gpu_memory_utilization, max_model_len, max_num_seqs); the other strategies take none.
@@ -128,6 +167,9 @@ class StrategyConfig:
         for name in ("micro_batch_size_per_worker", "max_tokens_per_microbatch", "logprob_chunk_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lora is not None and self.kind != "causal_lm":
+            raise ValueError(f"lora on a kind {self.kind!r} model: its new value head must train in full, which LoRA "
+                             "does not do here; drop lora for the critic (kind value)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
         if self.compute_dtype == "float16":

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.config import Registry, import_object
+from baton.strategy.base import StrategyConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Capabilities:
     top_k_log_probs: computes the top-k log-probs of every response token (a distillation teacher).
     trains_over_workers: one model trained over several workers (sharded); without it each worker would keep a
         model of its own and they would drift apart.
+    trains_lora: trains a LoRA adapter on its frozen model (`StrategyConfig.lora`).
     devices_per_worker: drives several devices from one worker process (tensor-parallel inference).
     filtered_log_probs: reports the log-probs of the top-k / top-p filtered distribution, which the actor does not
         recompute (so sampling filters are refused).
@@ -39,6 +41,7 @@ class Capabilities:
     shares_weights: bool = False
     top_k_log_probs: bool = False
     trains_over_workers: bool = False
+    trains_lora: bool = False
     devices_per_worker: bool = False
     filtered_log_probs: bool = False
     takes_engine_kwargs: bool = False
@@ -62,7 +65,7 @@ class Backend:
 
 BACKENDS: Registry[Backend] = Registry("strategy", {
     "hf": Backend("baton.strategy.hf:HFStrategy", Capabilities(
-        shares_weights=True, top_k_log_probs=True, engine="baton.engines.hf:serve")),
+        shares_weights=True, top_k_log_probs=True, trains_lora=True, engine="baton.engines.hf:serve")),
     "fsdp2": Backend("baton.strategy.fsdp2:Fsdp2Strategy", Capabilities(
         generates=False, top_k_log_probs=True, trains_over_workers=True)),
     "mock": Backend("baton.strategy.mock:MockStrategy", Capabilities()),
@@ -102,3 +105,9 @@ def can_share_weights(first: str, second: str) -> bool:
     """Whether roles on backends `first` and `second`, fused into one process, share tensors instead of copying
     weights: the same backend, one that can."""
     return first == second and capabilities(first).shares_weights
+
+
+def shares_policy_weights(actor: StrategyConfig, rollout: StrategyConfig) -> bool:
+    """Whether a fused actor and rollout share tensors (`can_share_weights`): never with a LoRA actor, whose served
+    weights are merged (W + scale · B A), tensors it does not hold; those are copied."""
+    return actor.lora is None and can_share_weights(actor.name, rollout.name)

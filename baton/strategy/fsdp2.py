@@ -28,6 +28,9 @@ class Fsdp2Strategy(TorchStrategy):
     """Implements `TrainStrategy` (training and log-probs; it does not generate: pair it with an `hf` rollout)."""
 
     def __init__(self, config, device: torch.device | None = None):
+        if config.lora is not None:
+            raise ValueError("strategy.lora is built for the hf strategy only (one model per worker); train the LoRA "
+                             "actor with strategy.name: hf, or drop lora to shard the full model with fsdp2")
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if "RANK" in os.environ:

@@ -3,7 +3,8 @@
 Runs on CPU or one GPU. Generation runs the `hf` engine's sampling loop (`baton.strategy.sampling`) over the
 whole prompt batch; log-probs come from hidden states a chunk of tokens at a time; training accumulates
 gradients over micro-batches and normalises the loss by the batch's global unit count. With
-`compute_dtype` bfloat16 the float32 parameters compute under `torch.autocast`.
+`compute_dtype` bfloat16 the float32 parameters compute under `torch.autocast`. With `lora` the model trains a
+peft LoRA adapter (`baton.strategy.lora`) and exports and checkpoints as `TorchStrategy` says.
 `TorchStrategy` holds everything but generation; `Fsdp2Strategy` shares it by overriding the
 methods under "(distributed hooks)".
 """
@@ -28,6 +29,7 @@ from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
+from baton.strategy.lora import add_lora, has_adapter, load_adapter, merged_state_dict, save_adapter
 from baton.strategy.padding import pad_responses, trim_padding
 from baton.strategy.sampling import generation_output, prompt_row_seeds, sample
 
@@ -99,6 +101,13 @@ class TorchStrategy:
 
     `hf_model` is the transformers model; `module` wraps it (an `RLHead`) and is what runs forward
     and backward: the FSDP2 strategy shards `module`.
+
+    With `config.lora`, peft injects a LoRA adapter into `hf_model` in place and freezes its other weights;
+    `peft_model` (the `PeftModel` around it) switches the adapter off (`base_forward`) and saves it. Only the
+    adapter's weights go to the optimizer. `export_weights` gives the merged weights (W + scale · B A) in plain HF
+    names, so a rollout receives a plain model; a checkpoint holds the adapter in peft's format
+    (adapter_model.safetensors, adapter_config.json) beside the optimizer state, its base being the role's
+    `model`; `save_merged` writes the merged model as an HF directory.
     """
 
     def __init__(self, config: StrategyConfig, device: torch.device | None = None):
@@ -106,6 +115,7 @@ class TorchStrategy:
         self.device = device or default_device()
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.hf_model = build_role_model(config).to(self.device)
+        self.peft_model = add_lora(self.hf_model, config.lora, config.seed) if config.lora is not None else None
         if config.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
         self.module = self._wrap(RLHead(self.hf_model, config.kind, config.logprob_chunk_size))
@@ -138,8 +148,8 @@ class TorchStrategy:
         return split_micro_batches(batch, self.config.micro_batch_size_per_worker, self.config.max_tokens_per_microbatch)
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters in HF names, on the writer rank (others: {})."""
-        return self.hf_model.state_dict()
+        """Full parameters in HF names, on the writer rank (others: {}); with LoRA, merged."""
+        return self.hf_model.state_dict() if self.peft_model is None else merged_state_dict(self.hf_model)
 
     def _load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         unknown = set(state) - set(self.hf_model.state_dict())
@@ -190,6 +200,14 @@ class TorchStrategy:
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
         return self._eval_outputs(batch, temperature)
 
+    def base_forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
+        """`forward` of the model without its LoRA adapter: the initial model, a reference without a second copy."""
+        if self.peft_model is None:
+            raise ValueError("base_forward is the model with its LoRA adapter off, and this role has none; set "
+                             "strategy.lora, or take the reference's log-probs from a reference role")
+        with self.peft_model.disable_adapter():
+            return self._eval_outputs(batch, temperature)
+
     def top_k_log_probs(self, batch: DataProto, k: int, temperature: float = 1.0) -> DataProto:
         """`top_k_log_probs` (float32) and `top_k_ids` (int64), each [rows, response_len, k]: each response position's
         k most likely next tokens (a distillation teacher's scores). Only these leave the strategy, never the
@@ -205,7 +223,8 @@ class TorchStrategy:
                               "where small updates round away (a 1e-6 learning-rate step moves most weights not at "
                               "all); train with dtype: float32 and compute_dtype: bfloat16", stacklevel=3)
             opt = self.config.optimizer
-            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+            trained = [p for p in self.module.parameters() if p.requires_grad]  # with LoRA, the adapter's only
+            self.optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                                weight_decay=opt.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
 
@@ -268,6 +287,9 @@ class TorchStrategy:
             yield bucket
 
     def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        if self.peft_model is not None:
+            raise ValueError("a role with a LoRA adapter takes no weights: its base is its `model` and its adapter "
+                             "trains; send weights to a role without lora")
         for bucket in buckets:
             self._load_full_state_dict({k: v.to(self.device) for k, v in bucket.items()})
 
@@ -314,9 +336,13 @@ class TorchStrategy:
                 shutil.rmtree(partial, ignore_errors=True)
                 os.makedirs(partial)
             self._barrier()
-            state = self._full_state_dict()
+            state = self._full_state_dict() if self.peft_model is None else None
             if self._is_writer():
-                self.hf_model.save_pretrained(partial, state_dict=state, safe_serialization=True)
+                if self.peft_model is None:
+                    self.hf_model.save_pretrained(partial, state_dict=state, safe_serialization=True)
+                else:  # the adapter, and the base's config.json (for the tokenizer; no weights beside it)
+                    save_adapter(self.peft_model, partial)
+                    self.hf_model.config.save_pretrained(partial)
                 save_tokenizer(self.tokenizer, partial)  # after config.json, which AutoTokenizer reads
                 with open(os.path.join(partial, "trainer_state.json"), "w") as f:
                     json.dump({"global_step": self.global_step}, f)
@@ -342,13 +368,7 @@ class TorchStrategy:
 
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             raise FileNotFoundError(f"{path} is not a baton checkpoint (no trainer_state.json)")
-        state = {}
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                state.update(load_file(os.path.join(path, name)))
-        self._load_full_state_dict(state)
-        if getattr(self.hf_model.config, "tie_word_embeddings", False):
-            self.hf_model.tie_weights()
+        self.load_model_weights(path)
         with open(os.path.join(path, "trainer_state.json")) as f:
             self.global_step = json.load(f)["global_step"]
         optimizer_file = os.path.join(path, f"optimizer{self._rank_suffix()}.state")
@@ -357,6 +377,38 @@ class TorchStrategy:
             self._load_optimizer_state(load_state(optimizer_file))
             self.scheduler.load_state_dict(load_state(os.path.join(path, "scheduler.state")))
         self._set_rng_state(load_state(os.path.join(path, f"rng{self._rank_suffix()}.state")))
+
+    def load_model_weights(self, path: str) -> None:
+        """The model of checkpoint `path`: its full weights, or (a LoRA role) its adapter on this role's base."""
+        from safetensors.torch import load_file
+
+        if has_adapter(path) != (self.peft_model is not None):
+            raise ValueError(f"{path} holds a LoRA adapter and this role has no strategy.lora: set the lora settings of "
+                             "the run that saved it" if has_adapter(path) else
+                             f"{path} holds full weights and this role trains a LoRA adapter: drop strategy.lora, or "
+                             "start a new adapter on it with strategy.model set to it")
+        if self.peft_model is not None:
+            load_adapter(self.peft_model, path)
+            return
+        state = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(path, name)))
+        self._load_full_state_dict(state)
+        if getattr(self.hf_model.config, "tie_word_embeddings", False):
+            self.hf_model.tie_weights()
+
+    def save_merged(self, path: str) -> None:
+        """The model as a plain HF directory at `path` (safetensors, config.json, tokenizer): with LoRA, the adapter
+        merged into its base (W + scale · B A), loadable without peft."""
+        state = self._full_state_dict()
+        if self._is_writer():
+            os.makedirs(path, exist_ok=True)
+            base = self.hf_model if self.peft_model is None else self.peft_model.get_base_model()
+            with torch.device("meta"):  # the architecture only: the weights are `state`'s
+                plain = type(base)(base.config)
+            plain.save_pretrained(path, state_dict=state, safe_serialization=True)
+            save_tokenizer(self.tokenizer, path)
 
     def _optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
@@ -399,6 +451,9 @@ class HFStrategy(TorchStrategy):
 
     def share_weights_from(self, other: "TorchStrategy") -> None:
         """Point this model's parameters at another in-process model's tensors: no copy (colocated roles)."""
+        if self.peft_model is not None or other.peft_model is not None:
+            raise ValueError("a LoRA role's served weights are merged (W + scale · B A), tensors it does not hold: "
+                             "copy them (export_weights) instead of sharing")
         theirs = dict(other.hf_model.named_parameters())
         for name, param in self.hf_model.named_parameters():
             if name not in theirs or theirs[name].shape != param.shape:
