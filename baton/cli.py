@@ -1,5 +1,5 @@
 """The `baton` command: `run` a pipeline from a YAML config (or the built-in demo), print a resolved
-`config`, `plot` a run directory, `eval` or `generate` from a checkpoint.
+`config`, `plot` a run directory, `eval`, `generate` or `export` (a plain HF directory) from a checkpoint.
 
 Imports stay inside the commands: `baton --help` must not pay for torch and Ray."""
 
@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     generate = commands.add_parser("generate", help="print a checkpoint's completions of prompts",
                                    description="Sample completions with the run's val_sampling (greedy by default); "
                                    "prints one JSON object per completion.")
+    export = commands.add_parser("export", help="write a checkpoint as a plain HF model directory (a LoRA adapter "
+                                 "merged into its base)", description="Load a checkpoint as `baton eval` does and write "
+                                 "its model (safetensors, config.json, tokenizer) to OUT_DIR, loadable without peft.")
+    export.add_argument("checkpoint", help=checkpoint_help)
+    export.add_argument("out_dir", help="a new (or empty) directory")
     for sub in (evaluate, generate):
         sub.add_argument("checkpoint", help=checkpoint_help)
         sub.add_argument("--temperature", type=temperature, default=None, help="default: the run's val_sampling")
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--data", default=None, help="a .jsonl or .parquet prompt file (the run's prompt/answer keys); "
                           "default: the run's held-out data")
     evaluate.add_argument("--reward", default=None, help="a reward name or import path; default: the run's reward_fn")
-    for sub in (evaluate, generate):
+    for sub in (evaluate, generate, export):
         sub.add_argument("--trust-run-dir", action="store_true",
                          help="import the modules the run's config names (its reward, pipeline) from the run directory "
                          "and the directories its import_dirs.txt records; without it a run directory is data only")
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plot_run(args.run_dir))
         return 0
-    if args.command in ("eval", "generate"):
+    if args.command in ("eval", "generate", "export"):
         return evaluate_or_generate(args)
     # A config path that looks like an override is an override (e.g. `baton run trainer.num_steps=5`).
     if args.config is not None and "=" in args.config and not os.path.isfile(args.config):
@@ -226,13 +231,17 @@ def show_config(pipeline_cls, config) -> int:
 
 
 def evaluate_or_generate(args) -> int:
-    """`baton eval` / `baton generate`: in this process, no Ray."""
+    """`baton eval` / `baton generate` / `baton export`: in this process, no Ray."""
     from transformers.utils import logging as hf_logging
 
     from baton.pipelines import evaluate
 
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars would bury the result
     try:
+        if args.command == "export":  # the model only: no reward, data or sampling settings are used
+            policy = evaluate.load_policy(args.checkpoint, reward="exact_match", trust_run_dir=args.trust_run_dir)
+            print(evaluate.export_merged(policy, args.out_dir))
+            return 0
         if args.command == "generate" and not (args.prompt or args.prompts_file):
             raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
         # generate scores nothing: the run's reward is not loaded, the built-in stands in
@@ -252,7 +261,7 @@ def evaluate_or_generate(args) -> int:
         else:
             for completion in evaluate.generate(policy, prompts, seed=args.seed):
                 print(json.dumps(completion))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
     return 0

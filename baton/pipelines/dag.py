@@ -75,6 +75,11 @@ class DAGConfig(RLVRConfig):
         if self.dag.executor == "multi_controller" and not self.colocate_actor_rollout:
             raise ConfigError("dag.executor multi_controller runs every role of a rank in its DAG worker's process; "
                               "set colocate_actor_rollout: true")
+        if self.actor.strategy.lora is not None and (self.dag.executor == "multi_controller" or (
+                self.reference is None and (self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward))):
+            raise ConfigError("actor.strategy.lora in a workflow: its reference (the actor with the adapter off) and "
+                              "the multi-controller's weight sync do not take a LoRA actor; run it on the loop "
+                              "(pipeline_cls: baton.pipelines.rlvr:RLVRPipeline), or give a `reference:` section")
         if self.dag.num_compute_workers < 1:
             raise ConfigError(f"dag.num_compute_workers={self.dag.num_compute_workers} must be >= 1")
         if self.dag.executor == "multi_controller" and self.trainer.offload_idle_roles is True:

@@ -24,12 +24,14 @@ from baton.config import ConfigError, import_object, load_config, load_yaml
 from baton.config.paths import recorded_import_dirs
 from baton.pipelines.run_dir import list_checkpoints
 from baton.pipelines.config import DataConfig, SamplingConfig
+from baton.strategy.lora import has_adapter
 
 
 def resolve_checkpoint(path: str) -> str:
     """The HF model directory that `path` names: a role directory (config.json), a step directory (its
     `actor`), a run directory (its latest step), or a directory of runs (the one written last, e.g. the
-    demo's `runs/demo` -> its rlvr stage)."""
+    demo's `runs/demo` -> its rlvr stage). A LoRA role's directory holds its adapter and its base's config.json
+    (`load_policy` puts the adapter on the run's base model)."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -131,6 +133,10 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
 
     model_dir = resolve_checkpoint(path)
     config = run_config(model_dir, trust_run_dir=trust_run_dir, reward=reward)
+    lora = has_adapter(model_dir)
+    if lora and config is None:
+        raise ValueError(f"{model_dir} holds a LoRA adapter and no run config.yaml above it names its base model and "
+                         "lora settings; open it inside its run directory, or load it with peft on its base model")
     if config is None:  # a bare HF directory: its own tokenizer (else baton's), the default task, greedy decoding
         has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer_path = model_dir if has_tokenizer else None
@@ -141,6 +147,8 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
         role = getattr(config, "rollout", None) or config.actor  # what generated during the run's validation
         tokenizer_path = role.strategy.tokenizer
         strategy_config = dataclasses.replace(role.strategy, name="hf", kind="causal_lm", model=model_dir)
+        if lora:  # the actor's base model with its lora settings; the adapter is loaded below
+            strategy_config = dataclasses.replace(config.actor.strategy, name="hf")
         data = getattr(config, "data", None) or DataConfig()
         sampling = getattr(config, "val_sampling", None) or SamplingConfig(temperature=0.0, num_samples_per_prompt=1)
         reward_fn = getattr(config, "reward_fn", "exact_match")
@@ -154,8 +162,10 @@ def load_policy(path: str, *, temperature: float | None = None, max_new_tokens: 
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens} after prompts of up to data.max_prompt_len="
                          f"{data.max_prompt_len} tokens passes the model's max_position_embeddings={positions}; "
                          "lower --max-new-tokens")
-    return LoadedPolicy(model_dir, HFStrategy(strategy_config), tokenizer_path, data, sampling, reward_fn,
-                        config is not None, reward_kwargs)
+    strategy = HFStrategy(strategy_config)
+    if lora:
+        strategy.load_model_weights(model_dir)
+    return LoadedPolicy(model_dir, strategy, tokenizer_path, data, sampling, reward_fn, config is not None, reward_kwargs)
 
 
 def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str | None = None) -> dict:
@@ -190,6 +200,15 @@ def evaluate(policy: LoadedPolicy, data_path: str | None = None, reward_fn: str 
             "data": data_path or ("held-out split" if policy.data.task == "arithmetic" else policy.data.val_path),
             "val-core": {key.removeprefix("val-core/"): value for key, value in metrics.items()
                          if key.startswith("val-core/")}}
+
+
+def export_merged(policy: LoadedPolicy, out_dir: str) -> str:
+    """`policy`'s model as a plain HF directory at `out_dir` (a LoRA checkpoint's adapter merged into its base), which
+    transformers, vLLM and `baton eval` load without peft; `out_dir` must not exist or be empty."""
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"{out_dir} is not empty; choose a new directory for the merged model")
+    policy.strategy.save_merged(out_dir)
+    return os.path.abspath(out_dir)
 
 
 def generate(policy: LoadedPolicy, prompts: list[str], seed: int = 0) -> list[dict]:

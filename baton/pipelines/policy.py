@@ -9,7 +9,7 @@ from baton.datasets import PromptDataset, collate_prompts
 from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.rl.metrics import reward_error_count, validation_set_metrics
-from baton.strategy.capabilities import can_share_weights
+from baton.strategy.capabilities import shares_policy_weights
 from baton.tracking.samples import Validation, batch_rows
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
@@ -26,8 +26,9 @@ def policy_roles(actor: RoleConfig, rollout: RoleConfig) -> dict[str, tuple]:
 
 def validation_rollout(actor: RoleConfig) -> RoleConfig:
     """The rollout that a pipeline with no rollout of its own (SFT, DPO, distillation) validates (and, on-policy,
-    samples) with: one hf worker on the actor's first device, sharing (or receiving) the actor's weights."""
-    return RoleConfig(strategy=dataclasses.replace(actor.strategy, name="hf"), world_size=1,
+    samples) with: one hf worker on the actor's first device, sharing (or receiving) the actor's weights (a LoRA
+    actor's merged: the rollout has no adapter of its own)."""
+    return RoleConfig(strategy=dataclasses.replace(actor.strategy, name="hf", lora=None), world_size=1,
                       device_mapping=(actor.device_mapping or [0])[:1])
 
 
@@ -36,17 +37,23 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
     """The actor → rollout ModelUpdatePair, synced once so both start from the actor's weights.
 
     colocated (built with FUSED_POLICY): when both roles run on one backend that shares weights in process
-    (`can_share_weights`, e.g. both `hf`), the sync shares tensors instead of copying them.
+    (`shares_policy_weights`, e.g. both `hf` without LoRA), the sync shares tensors instead of copying them.
     """
     probe = None
     if probe_data is not None and len(probe_data):
         examples = [probe_data[i] for i in range(min(4, len(probe_data)))]
         probe = probe_batch(tokenizer, [str(e[probe_data.prompt_key]) + str(e[probe_data.answer_key]) for e in examples], 1)
-    share = colocated and can_share_weights(actor.strategy.name, rollout.strategy.name)
+    share = colocated and shares_policy_weights(actor.strategy, rollout.strategy)
     pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe, atol=probe_tolerance(actor, rollout),
                            share_role="actor" if share else None)
     pair.sync()
     return pair
+
+
+def reference_from_actor(actor: RoleConfig, reference: RoleConfig | None) -> bool:
+    """Whether the reference's log-probs come from the actor itself with its LoRA adapter off (`BaseModelReference`):
+    a LoRA actor whose reference is its initial model (no `reference:` section), so no second copy is built."""
+    return reference is None and actor.strategy.lora is not None
 
 
 def probe_tolerance(*roles: RoleConfig) -> float:

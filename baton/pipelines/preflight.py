@@ -35,6 +35,11 @@ def check_roles(config, trainer: TrainerConfig) -> None:
                 f"actor's weights, but trains nothing, exports no weights and saves no checkpoints, so it serves the "
                 f"rollout role only; use {name}.strategy.name={' / '.join(backends_that('trains'))} and keep "
                 f"{role.strategy.name!r} for rollout.strategy.name")
+        if role.strategy.lora is not None and (name != "actor" or not can.trains_lora):
+            raise ConfigError(
+                f"{name}.strategy.lora: LoRA trains the actor's adapter on {' / '.join(backends_that('trains_lora'))}"
+                + (f", not on {role.strategy.name!r}; set {name}.strategy.name: hf or remove lora" if name == "actor"
+                   else f"; the {name} role holds no adapter (a rollout takes the actor's merged weights), remove it"))
         if role.strategy.engine_kwargs and not can.takes_engine_kwargs:
             raise ConfigError(
                 f"{name}.strategy.engine_kwargs {sorted(role.strategy.engine_kwargs)} are an inference engine's settings, "

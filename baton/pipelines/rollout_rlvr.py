@@ -24,7 +24,7 @@ from baton.datasets import PromptDataset
 from baton.datasets.load import load_datasets, load_prompt_file
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig, RoleConfig
-from baton.pipelines.policy import probe_tolerance
+from baton.pipelines.policy import probe_tolerance, reference_from_actor
 from baton.pipelines.rlvr import reward_model_role
 from baton.pipelines.time_sharing import cluster_devices, on_gpus
 from baton.rewards import RewardRoutes
@@ -40,8 +40,8 @@ from baton.rollout.pool import EnginePool
 from baton.rollout.producer import RolloutProducer
 from baton.rollout.publisher import WeightPublisher
 from baton.rollout.reward import GroupRewarder
-from baton.strategy.capabilities import backends_that, can_share_weights, capabilities
-from baton.workers import ActorWorker, CriticWorker, ReferenceWorker
+from baton.strategy.capabilities import backends_that, can_share_weights, capabilities, shares_policy_weights
+from baton.workers import ActorWorker, BaseModelReference, CriticWorker, ReferenceWorker
 from baton.workers.weight_sync import probe_batch
 
 # What the rollout system's reward gets by keyword beside the row's own fields (`GroupRewarder`): no uid or
@@ -124,7 +124,8 @@ class RolloutRLVRPipeline(Pipeline):
         super().__init__(config, config.trainer)
         system, algo = config.rollout_system, config.algorithm
         roles = {"actor": (ActorWorker, config.actor, (config.actor.strategy,))}
-        if config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward:
+        needs_reference = config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward
+        if needs_reference and not reference_from_actor(config.actor, config.reference):
             reference = config.reference or config.actor
             roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
         if config.critic is not None:
@@ -142,6 +143,8 @@ class RolloutRLVRPipeline(Pipeline):
                       for name, role in engines.items()})
         clusters = self.create_clusters(roles, {"policy": ["actor", "rollout"]} if colocated else None)
         self.actor, self.reference, self.critic = clusters["actor"], clusters.get("reference"), clusters.get("critic")
+        if needs_reference and self.reference is None:  # a LoRA actor's initial model: itself, adapter off
+            self.reference = BaseModelReference(self.actor)
         self.reward_model = clusters.get("reward_model")
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
         self.algorithm = RLAlgorithm(algo, config.reward_fn)
@@ -175,7 +178,7 @@ class RolloutRLVRPipeline(Pipeline):
         self.services = RolloutServices(self.pool, rewarder, self.tokenizer, data.sft_response_key)
         self.producer = RolloutProducer(self.services, source, dataclasses.replace(config.sampling.params(), n=1),
                                         config.trainer.num_prompts_per_step)
-        share = colocated and can_share_weights(config.actor.strategy.name, config.rollout.strategy.name)
+        share = colocated and shares_policy_weights(config.actor.strategy, config.rollout.strategy)
         self.publisher = WeightPublisher(self.pool, self.make_probe(), probe_tolerance(config.actor, config.rollout),
                                          share_role="actor" if share else None, engines_on_gpu=on_gpus(self.manager))
         self.evaluator = RolloutEvaluator(self.services, eval_sets, config.val_sampling.params(seed=0),

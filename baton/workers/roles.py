@@ -43,6 +43,22 @@ class ActorWorker(ModelWorker):
     def train_step(self, batch: DataProto, loss_fn: LossFn, loss_unit: str = "token") -> dict[str, float]:
         return self.strategy.train_step(batch, loss_fn, loss_unit)
 
+    @register(Dispatch.DP_COMPUTE)
+    def compute_base_log_probs(self, batch: DataProto) -> DataProto:
+        """`compute_log_probs` of the model with its LoRA adapter off: the initial model's (`base_forward`)."""
+        return self.strategy.base_forward(batch, temperature=sampling_temperature(batch))
+
+
+class BaseModelReference:
+    """The reference of a LoRA actor whose reference is its initial model: the actor's cluster, adapter off. It
+    stands where a reference cluster would (`TrainingRoles.reference`), without a second copy of the model."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute_log_probs(self, batch: DataProto) -> DataProto:
+        return self.actor.compute_base_log_probs(batch)
+
 
 class RolloutWorker(ModelWorker):
     """Generates responses; receives the actor's weights."""
