@@ -35,6 +35,14 @@ class Fragile(Worker):
         time.sleep(seconds)
         return self.rank
 
+    @register()
+    def lose_a_peer_in_a_collective(self) -> int:
+        """Rank 1 dies; rank 0 raises first, as a gloo collective does when its peer's socket closes."""
+        if self.rank == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ConnectionResetError("Connection reset by peer")
+
 
 class BrokenInit(Worker):
     def __init__(self):
@@ -88,6 +96,17 @@ def test_killed_worker_fails_a_blocking_call_within_seconds(make_manager):
         threading.Timer(0.5, os.kill, (pids[0], signal.SIGKILL)).start()
         with pytest.raises(WorkerDiedError, match=r"victim\[rank 0\] died in sleep_blocking"):
             cluster.sleep_blocking(3600)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_peer_that_died_is_the_cause_when_another_rank_raised_first(make_manager):
+    """A rank killed inside a collective makes rank 0's collective raise before the death is seen; the error
+    reported is the death (it names the rank to look at and stops the cluster), not rank 0's transport error."""
+    config = WorkerConfig("peers", world_size=2, health_check_interval_s=0.5)
+    with Cluster(Fragile, config, make_manager("ray")) as cluster:
+        with pytest.raises(WorkerDiedError, match=r"peers\[rank 1\] died in lose_a_peer_in_a_collective"):
+            cluster.lose_a_peer_in_a_collective()
 
 
 @pytest.mark.ray

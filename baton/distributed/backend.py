@@ -143,6 +143,8 @@ class RayBackend:
                 )
             note = _STOPPED_NOTE if guard is not None else ""
             error = self._first_failure(refs, sources, note)
+            if error is not None and not isinstance(error, WorkerDiedError) and guard is not None:
+                error = self._died_peer(refs, sources, note, guard) or error
             if error is None and guard is not None and (lost := guard.check()) is not None:
                 source = next((s for s in sources if s.rank == lost.rank), sources[0])
                 error = lost.error(source.cluster, source.method, note)
@@ -156,7 +158,8 @@ class RayBackend:
                 guard.halt(halt_reason)
             raise error
 
-    def _first_failure(self, refs: list, sources: Sequence[Source], note: str) -> WorkerError | None:
+    def _first_failure(self, refs: list, sources: Sequence[Source], note: str,
+                       died_only: bool = False) -> WorkerError | None:
         import ray
         from ray.exceptions import RayActorError, RayError, RayTaskError
 
@@ -171,14 +174,38 @@ class RayBackend:
                 reason = died_reason(exc) + (f"; {note}" if note else "")
                 return WorkerDiedError(source.cluster, source.rank, source.method, reason)
             except RayTaskError as exc:
+                if died_only:
+                    continue
                 error = WorkerError(source.cluster, source.rank, source.method, str(exc))
                 error.__cause__ = exc.cause
                 return error
             except RayError as exc:
+                if died_only:
+                    continue
                 error = WorkerError(source.cluster, source.rank, source.method, repr(exc))
                 error.__cause__ = exc
                 return error
         return None
+
+    def _died_peer(self, refs: list, sources: Sequence[Source], note: str, guard: HealthMonitor) -> WorkerError | None:
+        """A worker that died while another raised, found within the guard's bound, or None.
+
+        A rank killed inside a collective makes its peers' collectives raise (gloo: "Connection reset by
+        peer") before the monitor sees the death; the death is the cause to report. Only waited for while some
+        call is still pending: a method that raised on every rank is reported at once.
+        """
+        import ray
+
+        deadline = time.monotonic() + guard.death_bound_s
+        while True:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if (lost := guard.check()) is not None:
+                source = next((s for s in sources if s.rank == lost.rank), sources[0])
+                return lost.error(source.cluster, source.method, note)
+            died = self._first_failure(refs, sources, note, died_only=True)
+            if died is not None or not pending or time.monotonic() >= deadline:
+                return died
+            time.sleep(0.05)
 
     @staticmethod
     def _timeout_error(refs: list, sources: Sequence[Source], timeout_s: float, note: str) -> tuple[CallTimeoutError, str]:

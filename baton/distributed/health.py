@@ -65,6 +65,11 @@ class HealthMonitor:
     def check(self) -> Lost | None:
         return self._lost
 
+    @property
+    def death_bound_s(self) -> float:
+        """How long after a worker process dies this monitor may take to report it (0: it sends no heartbeat)."""
+        return 2 * self._interval_s + 0.5 if self._thread is not None else 0.0
+
     def halt(self, reason: str) -> None:
         """Kill this start's processes (once; later calls keep the first reason). Does not wait for them to exit."""
         with self._lock:
