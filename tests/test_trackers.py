@@ -3,9 +3,11 @@ overwrite=true), and the optional tensorboard, wandb and mlflow sinks read back 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -97,34 +99,46 @@ def test_a_resumed_runs_tensorboard_shows_each_step_once(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
-def wandb_history(run_dir) -> list[dict]:
+def wandb_history(run_dir, wait_s: float = 60.0) -> list[dict]:
     """The history rows an offline wandb run wrote to its transaction log (leveldb log format: 32 KiB blocks of
-    chunks, each with a 7-byte header: crc32, length, type), as {key: value}."""
+    chunks, each with a 7-byte header: crc32, length, type), as {key: value}. wandb's service may still be writing
+    the log after `finish()` returns on a loaded machine: read again, up to `wait_s`, until its exit record is in."""
     import glob
-    import json
+
+    [path] = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(path)
+        if any(record.WhichOneof("record_type") == "exit" for record in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return [{"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+            for record in records if record.WhichOneof("record_type") == "history"]
+
+
+def wandb_records(path: str) -> list:
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    [path] = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     data = open(path, "rb").read()
     assert data[:4] == b":W&B"
-    position, pending, rows = 7, b"", []
+    position, pending, records = 7, b"", []
     while position + 7 <= len(data):
         if 32768 - position % 32768 < 7:  # a block's tail too short for a chunk header is padding
             position += 32768 - position % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if position + 7 + length > len(data):  # a chunk still being written
+            break
         pending += data[position + 7:position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a whole record, or the last chunk of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+            records.append(record)
+    return records
 
 
 def test_the_wandb_sink_offline_logs_metrics_by_step_and_samples_as_a_table(tmp_path, monkeypatch):
