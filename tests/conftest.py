@@ -82,3 +82,33 @@ def make_manager(request):
     yield make
     for manager in managers:
         manager.shutdown()
+
+
+def padded_batch(prompt_lens: list[int], response_lens: list[int], prompt_width: int, response_width: int,
+                 vocab: int = 30, seed: int = 0) -> "DataProto":
+    """Rows of random tokens, prompts left-padded to `prompt_width`, responses right-padded to `response_width`,
+    with the columns a strategy reads and a [rows, len, 2] response column and a prompt-width column beside them."""
+    import numpy as np
+    import torch
+
+    from baton.data import DataProto
+
+    PAD = 0
+    g = torch.Generator().manual_seed(seed)
+    rows = len(prompt_lens)
+    prompts = torch.full((rows, prompt_width), PAD)
+    responses = torch.full((rows, response_width), PAD)
+    mask = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        prompts[i, prompt_width - p :] = torch.randint(4, vocab, (p,), generator=g)
+        responses[i, :r] = torch.randint(4, vocab, (r,), generator=g)
+        mask[i, prompt_width - p : prompt_width + r] = 1
+    input_ids = torch.cat([prompts, responses], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = mask[:, prompt_width:].clone()
+    return DataProto.from_dict({
+        "prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": mask,
+        "position_ids": position_ids, "response_mask": response_mask,
+        "top_ids": torch.randint(4, vocab, (rows, response_width, 2), generator=g),
+        "advantages": torch.randn(rows, response_width, generator=g),
+    }, non_tensors={"uid": np.arange(rows)}, meta_info={"temperature": 1.0})

@@ -3,7 +3,6 @@ strategy's outputs and updates stay those of the padded micro-batch."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,32 +11,7 @@ from baton.rl.losses import SFTLoss
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.hf import HFStrategy
 from baton.strategy.padding import pad_responses, trim_padding
-
-PAD = 0
-
-
-def padded_batch(prompt_lens: list[int], response_lens: list[int], prompt_width: int, response_width: int,
-                 vocab: int = 30, seed: int = 0) -> DataProto:
-    """Rows of random tokens, prompts left-padded to `prompt_width`, responses right-padded to `response_width`,
-    with the columns a strategy reads and a [rows, len, 2] response column and a prompt-width column beside them."""
-    g = torch.Generator().manual_seed(seed)
-    rows = len(prompt_lens)
-    prompts = torch.full((rows, prompt_width), PAD)
-    responses = torch.full((rows, response_width), PAD)
-    mask = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        prompts[i, prompt_width - p :] = torch.randint(4, vocab, (p,), generator=g)
-        responses[i, :r] = torch.randint(4, vocab, (r,), generator=g)
-        mask[i, prompt_width - p : prompt_width + r] = 1
-    input_ids = torch.cat([prompts, responses], dim=1)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    response_mask = mask[:, prompt_width:].clone()
-    return DataProto.from_dict({
-        "prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": mask,
-        "position_ids": position_ids, "response_mask": response_mask,
-        "top_ids": torch.randint(4, vocab, (rows, response_width, 2), generator=g),
-        "advantages": torch.randn(rows, response_width, generator=g),
-    }, non_tensors={"uid": np.arange(rows)}, meta_info={"temperature": 1.0})
+from conftest import padded_batch
 
 
 def test_drops_the_columns_that_are_padding_in_every_row():
@@ -83,8 +57,9 @@ def test_pad_responses_restores_the_width_with_zeros():
 
 
 def strategy(trim: bool, micro_batch_rows: int | None = 2) -> HFStrategy:
+    # Packing off: a packed pass runs no padding at all, so trimming would change nothing to compare.
     return HFStrategy(StrategyConfig(model="tiny-qwen2", seed=0, trim_padding=trim, optimizer=OptimizerConfig(lr=1e-2),
-                                     micro_batch_size_per_worker=micro_batch_rows))
+                                     micro_batch_size_per_worker=micro_batch_rows, packing=False))
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +85,7 @@ def test_outputs_at_real_tokens_match_the_padded_micro_batch(batch):
 def test_a_value_model_gives_the_same_values(batch):
     def values(trim: bool):
         s = HFStrategy(StrategyConfig(model="tiny-qwen2", kind="value", seed=0, trim_padding=trim,
-                                      micro_batch_size_per_worker=2))
+                                      micro_batch_size_per_worker=2, packing=False))
         return s.forward(batch).batch["values"]
 
     mask = batch.batch["response_mask"].bool()

@@ -121,6 +121,11 @@ class StrategyConfig:
         (`baton.strategy.padding`): a micro-batch of short rows cut from a batch padded to a long one costs
         only its own length. Outputs at the real tokens are those of the padded micro-batch up to float
         rounding; padding positions get zeros. A single micro-batch of the whole batch has no such columns.
+    packing: run each micro-batch's rows as one sequence of their real tokens only, each row with its own
+        positions and an attention that does not cross rows (`baton.strategy.packing`), when that costs fewer
+        tokens than the padded pass; outputs come back at the batch's layout, equal to the padded ones up to float
+        rounding. None (the default) packs where the model's attention implementation takes the mask that keeps rows
+        apart (sdpa, eager) and leaves it off elsewhere; True refuses a model that cannot; False never packs.
     lora: None trains every parameter; a `LoraConfig` trains a LoRA adapter (peft) on the frozen model instead
         (kind causal_lm, strategy hf): only the adapter's weights are in the optimizer, checkpoints hold the adapter,
         exported weights (the weight sync's) are merged into plain HF names, and an RLVR reference that is the
@@ -148,6 +153,7 @@ class StrategyConfig:
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
     trim_padding: bool = True
+    packing: bool | None = None  # None: packed where the model's attention keeps rows apart (see `baton.strategy.packing`)
     lora: LoraConfig | None = None  # None: full fine-tuning
     tokenizer: str | None = None  # local tokenizer directory; None: the shipped character tokenizer
     # An inference engine's own settings (the `vllm` strategy: more `vllm.EngineArgs` fields, e.g. kv_cache_memory_bytes,

@@ -118,7 +118,7 @@ class TorchStrategy:
         self.peft_model = add_lora(self.hf_model, config.lora, config.seed) if config.lora is not None else None
         if config.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable()
-        self.module = self._wrap(RLHead(self.hf_model, config.kind, config.logprob_chunk_size))
+        self.module = self._wrap(RLHead(self.hf_model, config.kind, config.logprob_chunk_size, config.packing))
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None

@@ -14,6 +14,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from baton.strategy.packing import packed_response_hidden_states, plan_packing, resolve_packing
+
 
 def sampling_temperature(batch) -> float:
     """The temperature at which a batch's log-probs are computed: the one its responses were sampled at, which the
@@ -41,19 +43,21 @@ def cache_argument(model) -> str:
 
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           position_ids: torch.Tensor | None, response_len: int) -> torch.Tensor:
+                           position_ids: torch.Tensor | None, response_len: int, packing: bool = False) -> torch.Tensor:
     """Hidden states at the positions that predict each response token: [rows, response_len, hidden].
 
-    The columns before the last `response_len` are the prompt. Rows with equal prompts (ids, mask and
-    positions) share one pass over it: each distinct prompt runs once with a KV cache, every row gets
-    its prompt's keys and values (gradients flow back through the gather), and only the response
-    tokens run per row. Same values as one pass over the full rows, without repeating the prompt's
-    compute for each of a prompt's samples.
+    The columns before the last `response_len` are the prompt. Three ways to compute them, the one that runs the
+    fewest token positions taken: one pass over the padded rows; rows with equal prompts (ids, mask and positions)
+    sharing one pass over it (each distinct prompt runs once with a KV cache, every row gets its prompt's keys and
+    values, gradients flow back through the gather, and only the response tokens run per row); or, with `packing`,
+    one pass over the rows' real tokens packed into bins (`baton.strategy.packing`). All three give the same values
+    at the real tokens up to float rounding (padding positions: whatever the pass gives, zeros when packed).
     """
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     decoder = model.get_decoder()
-    prompt_len = input_ids.shape[1] - response_len
+    rows, seq_len = input_ids.shape
+    prompt_len = seq_len - response_len
     prompt_key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].long(),
                             position_ids[:, :prompt_len]], dim=1)
     distinct, row_prompt = torch.unique(prompt_key, dim=0, return_inverse=True)  # row_prompt: [rows]
@@ -61,7 +65,13 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     # epochs meet) is not worth the second pass. Gradient checkpointing turns the KV cache off in
     # training, so it takes the full pass.
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    if prompt_len == 0 or 2 * len(distinct) > len(input_ids) or checkpointing:
+    shared = prompt_len > 0 and 2 * len(distinct) <= rows and not checkpointing
+    padded_cost = len(distinct) * prompt_len + rows * response_len if shared else rows * seq_len
+    if packing and prompt_len > 0:
+        plan = plan_packing(attention_mask)
+        if plan.cost < padded_cost:
+            return packed_response_hidden_states(decoder, input_ids, attention_mask, position_ids, response_len, plan)
+    if not shared:
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [rows, seq, hidden]
@@ -209,11 +219,12 @@ class RLHead(torch.nn.Module):
     [rows, response_len, top_k] (`token_top_k`).
     """
 
-    def __init__(self, model: torch.nn.Module, kind: str, chunk_size: int):
+    def __init__(self, model: torch.nn.Module, kind: str, chunk_size: int, packing: bool | None = False):
         super().__init__()
         self.model = model
         self.kind = kind
         self.chunk_size = chunk_size
+        self.packing = resolve_packing(packing, model)  # see `response_hidden_states`
 
     def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
                 with_entropy: bool = True, entropy_grad: bool = True, log_probs_at: torch.Tensor | None = None,
@@ -225,9 +236,10 @@ class RLHead(torch.nn.Module):
                 logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
                 return {"values": logits[:, -response_len - 1 : -1, 0].float()}
             # No dropout before the head: build_role_model sets classifier_dropout 0.
-            hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
+            hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len,
+                                            self.packing)
             return {"values": score(hidden)[..., 0].float()}
-        hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len)
+        hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len, self.packing)
         lm_head = self.model.get_output_embeddings()
         if top_k:
             values, ids = token_top_k(hidden, lm_head, top_k, temperature, self.chunk_size)
