@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 600
 HAS_TRL = importlib.util.find_spec("trl") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "rollout", "sandbox", "strategy"}  # bench/common.py is shared code
+TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "rollout", "sandbox", "scale", "strategy"}  # bench/common.py is shared code
 
 
 def run_bench(name: str, tmp_path, *args: str) -> dict:
@@ -89,6 +89,28 @@ def test_strategy_bench(tmp_path):
     first = figures["train"]["first_step"]  # same weights, same batch: the bench refuses to time different work
     assert first["baton"]["loss"] == pytest.approx(first["plain"]["loss"], rel=1e-4)
     assert set(figures["passed"]) == {"generate_ratio_vs_plain", "train_ratio_vs_plain"}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_scale_bench(tmp_path):
+    figures = run_bench("scale", tmp_path)
+    has_keys(figures, "packed_vs_padded_tokens_per_s", "memory_ratio_vs_naive", "lora_memory_ratio_vs_full",
+             "mfu_vs_matmul", "bytes_per_token_per_layer", "matmul_flops_per_s", "sides", "passed")
+    sides = figures["sides"]
+    assert set(sides) == {"padded", "packed", "naive", "baton", "lora", "tokens_128", "tokens_256", "tokens_512"}
+    for name, side in sides.items():
+        has_keys(side, "tokens_per_s", "peak_rss_mib", "step_extra_mib", "model_flops", "trainable_parameters")
+    assert len({side["tokens"] for name, side in sides.items() if not name.startswith("tokens_")}) == 1  # one batch
+    assert sides["lora"]["trainable_parameters"] < sides["baton"]["trainable_parameters"] / 10
+    assert set(figures["passed"]) == {"packed_vs_padded_tokens_per_s", "memory_ratio_vs_naive",
+                                      "lora_memory_ratio_vs_full"}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_scale_bench_reports_a_side_past_its_memory_cap_and_goes_on(tmp_path):
+    figures = run_bench("scale", tmp_path, "--mem-cap-gib", "0.05")
+    assert all(side.get("out_of_memory") for side in figures["sides"].values())
+    assert figures["packed_vs_padded_tokens_per_s"] is None and figures["passed"]["packed_vs_padded_tokens_per_s"] is False
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)

@@ -46,6 +46,32 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "max_position_embeddings": 512,
     },
+    # The shapes of Qwen2.5-0.5B and -1.5B (random weights: throughput and memory figures need no trained ones; the
+    # character tokenizer's ids are a subset of the vocabulary). bench/scale.py and bench/gpu_check.py build them.
+    "qwen2.5-0.5b-shape": {
+        **_CHAR_TOKENIZER_KWARGS,
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen2.5-1.5b-shape": {
+        **_CHAR_TOKENIZER_KWARGS,
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
 }
 
 # Qwen2Config stores unknown kwargs as attributes without complaint, so a typo ("hiden_size")
