@@ -23,6 +23,7 @@ from baton.algorithms import (
     loss_unit,
 )
 from baton.data import DataProto
+from baton.data.balance import balance_by_tokens
 from baton.rewards import REWARD_EXTRA_PREFIX, RewardError
 from baton.rl.config import AlgorithmConfig
 from baton.rl.losses import PolicyLoss, ValueLoss
@@ -105,8 +106,11 @@ class RLAlgorithm:
     def update(self, role, batch: DataProto, loss_fn) -> dict[str, float]:
         """num_ppo_epochs passes over num_mini_batches_per_step mini-batches; returns the last step's metrics."""
         config = self.config
+        layout = getattr(role, "layout", None)  # a cluster's; a role run in this process has one rank
+        num_ranks = layout.dp_size if layout is not None and config.balance_batch else 1
         for _ in range(config.num_ppo_epochs):
             for mini_batch in batch.chunk(config.num_mini_batches_per_step):
+                mini_batch = balance_by_tokens(mini_batch, num_ranks)
                 per_rank = role.train_step(mini_batch, loss_fn, loss_unit(config.loss_agg_mode))
         return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
 

@@ -79,6 +79,9 @@ class AlgorithmConfig:
     cliprange_value: float = 0.5
     num_ppo_epochs: int = 1
     num_mini_batches_per_step: int = 1
+    # Each mini-batch's rows reordered so that the data-parallel ranks get about equal real tokens (verl's
+    # trainer.balance_batch; baton.data.balance). With one rank nothing changes.
+    balance_batch: bool = True
     # An estimator that takes reward components (GDPO): the reward function's dict fields that are its components,
     # and their weights (None: 1 each). Unset: the reward is the one component.
     gdpo_reward_keys: list[str] | None = None
