@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 600
 HAS_TRL = importlib.util.find_spec("trl") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "rollout", "sandbox", "scale", "strategy"}  # bench/common.py is shared code
+TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "gpu_check", "rollout", "sandbox", "scale", "strategy"}  # bench/common.py is shared code
 
 
 def run_bench(name: str, tmp_path, *args: str) -> dict:
@@ -194,3 +194,44 @@ def test_sandbox_bench(tmp_path):
         has_keys(figures[side], "cases_per_s", "cpu_ms_per_case", "all_passed")
         assert figures[side]["all_passed"]
     assert set(figures["passed"]) == {"hardened_cases_pass"}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_gpu_check_dry_run_runs_every_part_without_ray(tmp_path):
+    """Without a GPU, --quick is the dry run: every part on the CPU with tiny models. One side is made to run out of
+    memory: it is reported and the sides after it still run."""
+    figures = run_bench("gpu_check", tmp_path, "--simulate-oom", "1.5b/padded")
+    has_keys(figures, "dry_run", "device", "matmul_bf16_flops_per_s", "peak_flops", "peak_source", "batch", "train",
+             "generation", "weight_sync", "offload_reload", "ray_imported", "passed")
+    assert figures["dry_run"] is True and figures["peak_source"] == "measured bf16 matmul (cpu)"
+    assert figures["ray_imported"] is False  # the GPU machines have no Ray: nothing on this path may import it
+    assert '"skipped"' not in json.dumps(figures)  # no part left out for the time budget
+    sides = {(model, name): side for model, train in figures["train"].items() for name, side in train["sides"].items()}
+    assert set(sides) == {(model, name) for model in ("0.5b", "1.5b")
+                          for name in ("padded", "packed", "packed_ckpt", "packed_ckpt_lora")}
+    assert "simulated" in sides.pop(("1.5b", "padded"))["out_of_memory"]
+    for side in sides.values():
+        has_keys(side, "tokens", "tokens_per_s", "mfu", "model_flops", "peak_memory_bytes", "trainable_parameters")
+        assert side["tokens"] == figures["batch"]["tokens"]
+    for model in ("0.5b", "1.5b"):
+        assert sides[(model, "packed_ckpt_lora")]["trainable_parameters"] < sides[(model, "packed")][
+            "trainable_parameters"] / 4
+    generation = {key: value for key, value in figures["generation"].items() if key != "part_s"}
+    assert set(generation) == {"64", "256"}
+    for level in generation.values():  # no stop token: every request runs to its new-token limit
+        assert level["generated_tokens"] == level["requests"] * level["new_tokens_per_request"]
+    sync = figures["weight_sync"]
+    assert sync["engine_holds_trained_weights"] is True and sync["bytes"] > 0
+    has_keys(figures["offload_reload"], "state_bytes", "allocated_before", "allocated_after_offload",
+             "allocated_after_reload", "offload_s", "reload_s")
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_without_a_gpu_prints_the_skip_and_exits_0():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, os.path.join("bench", "gpu_check.py")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout)
+    assert figures["skipped"] == "no CUDA device"
+    assert figures["device"]["cuda_available"] is False and "torch" in figures["device"]
