@@ -188,6 +188,21 @@ def test_the_kl_reference_is_the_actor_with_its_adapter_off(tmp_path):
     assert main(["export", str(step), str(out)]) == 2  # never over an existing model
 
 
+def test_a_resumed_lora_run_with_a_kl_loss_continues_exactly(tmp_path):
+    from baton.tracking import run_metrics
+
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    run_pipeline(RLVRPipeline, lora_rlvr(tmp_path / "straight", num_steps=4, algorithm=algorithm))
+    run_pipeline(RLVRPipeline, lora_rlvr(tmp_path / "resumed", num_steps=2, algorithm=algorithm))
+    run_pipeline(RLVRPipeline, lora_rlvr(tmp_path / "resumed", num_steps=4, algorithm=algorithm,
+                                         trainer={"resume": "latest"}))
+    expected, got = run_metrics(str(tmp_path / "straight")), run_metrics(str(tmp_path / "resumed"))
+    assert expected[4]["actor/kl"] > 0 and [got[step] for step in (3, 4)] == [expected[step] for step in (3, 4)]
+    adapters = [load_file(str(tmp_path / run / "checkpoints" / "step_4" / "actor" / "adapter_model.safetensors"))
+                for run in ("straight", "resumed")]
+    assert same_params(*adapters)
+
+
 def test_a_sync_that_sends_the_unmerged_base_fails_loudly(tmp_path, monkeypatch):
     def base_weights_only(self, bucket_bytes=256 << 20):  # the bug this guards against: the adapter left out
         yield {n.replace(".base_layer", ""): t for n, t in self.hf_model.state_dict().items() if ".lora_" not in n}
