@@ -85,8 +85,8 @@ def make_manager(request):
 
 
 def padded_batch(prompt_lens: list[int], response_lens: list[int], prompt_width: int, response_width: int,
-                 vocab: int = 30, seed: int = 0) -> "DataProto":
-    """Rows of random tokens, prompts left-padded to `prompt_width`, responses right-padded to `response_width`,
+                 vocab: int = 30, seed: int = 0):
+    """A DataProto: rows of random tokens, prompts left-padded to `prompt_width`, responses right-padded to `response_width`,
     with the columns a strategy reads and a [rows, len, 2] response column and a prompt-width column beside them."""
     import numpy as np
     import torch

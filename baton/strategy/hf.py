@@ -364,8 +364,6 @@ class TorchStrategy:
             self._barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        from safetensors.torch import load_file
-
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             raise FileNotFoundError(f"{path} is not a baton checkpoint (no trainer_state.json)")
         self.load_model_weights(path)
