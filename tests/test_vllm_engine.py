@@ -1,7 +1,8 @@
 """The `vllm` engine on CPU: concurrent requests against HF's batch path, log-probs against an HF forward, weights in
 place, abort and resume, pause, stop tokens and health, on tiny-qwen2 (float32). The `vllm` strategy (a rollout over
-the engine): the generate() layout, forward against HF, weights from hf and fsdp2 actors, the config checks, and the
-demo's GRPO stage with a vLLM rollout (examples/vllm_grpo.yaml).
+the engine): the generate() layout, forward against HF, weights from hf and fsdp2 actors, a LoRA actor's adapter
+served by vLLM (and a sync of it that does not reach the engine failing the probe), the config checks, and the demo's
+GRPO stage with a vLLM rollout (examples/vllm_grpo.yaml).
 
 Needs vLLM (`scripts/setup.sh --vllm`); without it these tests skip, but for the ones that check the refusals and
 the install hint.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+import json
 import os
 
 import numpy as np
@@ -30,9 +32,12 @@ from baton.pipelines.config import RLVRConfig, RoleConfig, SamplingConfig, Train
 from baton.pipelines.preflight import check_roles
 from baton.strategy import (InferenceStrategy, ModelStrategy, RolloutStrategy, SamplingParams, StrategyConfig,
                             create_strategy)
+from baton.strategy.base import LoraConfig
 from baton.strategy.hf import HFStrategy
+from baton.strategy.logprobs import sampling_temperature
+from baton.strategy.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 from baton.tracking.tracker import read_metrics
-from baton.workers.weight_sync import probe_batch
+from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, probe_batch
 from test_engines import assert_same, staggered
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -413,6 +418,129 @@ def test_what_a_rollout_does_not_do_says_where_to_do_it(rollout, strategy):
         rollout.reload()
     assert torch.equal(rollout.generate(prompts, GREEDY).batch["responses"],
                        strategy.generate(prompts, GREEDY).batch["responses"])
+
+
+# --- a LoRA actor's adapter, served by vLLM -----------------------------------------------------------------
+
+LORA = LoraConfig(rank=8, alpha=16)
+
+
+@pytest.fixture(scope="module")
+def lora_rollout():
+    """A vllm strategy that serves LoRA adapters up to rank 8 on tiny-qwen2 with seed 0's weights. A test that gives
+    it an adapter puts seed 0's plain weights back (which drops the adapter) before it returns."""
+    pytest.importorskip("vllm", reason=SKIP_REASON)
+    config = StrategyConfig(name="vllm", model="tiny-qwen2", seed=0, engine_kwargs={
+        "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 48, "enable_lora": True, "max_lora_rank": 8})
+    rollout = create_strategy(config)
+    yield rollout
+    rollout.close()
+
+
+def lora_actor(seed: int) -> HFStrategy:
+    """An hf actor on seed 0's tiny-qwen2 whose adapter's B matrices are drawn from `seed`, as after training (peft
+    starts them at 0, where the adapter changes nothing)."""
+    actor = HFStrategy(StrategyConfig(model="tiny-qwen2", seed=0, lora=LORA))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in actor.hf_model.named_parameters():
+            if ".lora_B." in name:
+                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return actor
+
+
+def adapter_of(actor: HFStrategy, directory) -> tuple[dict[str, torch.Tensor], dict]:
+    """The actor's adapter as peft saves it (what a LoRA checkpoint holds): its tensors and adapter_config.json."""
+    from safetensors.torch import load_file
+
+    save_adapter(actor.peft_model, str(directory))
+    with open(directory / ADAPTER_CONFIG) as f:
+        return load_file(str(directory / ADAPTER_WEIGHTS)), json.load(f)
+
+
+@dataclasses.dataclass
+class InProcess:
+    """A role's strategy answering `compute_log_probs` as its `ModelWorker` does, so that `ModelUpdatePair`'s probe
+    compares two strategies of this process."""
+    name: str
+    strategy: object
+
+    def compute_log_probs(self, batch: DataProto) -> DataProto:
+        return self.strategy.forward(batch, temperature=sampling_temperature(batch))
+
+
+def test_vllm_serves_a_peft_adapter_as_the_lora_actor_computes(lora_rollout, strategy, tmp_path):
+    """vLLM's CPU build with enable_lora: the actor's adapter, on the base weights, gives the LoRA actor's probe
+    log-probs (float32: within 1e-4), greedy tokens and sampling log-probs; without it the base is far from them."""
+    actor = lora_actor(seed=1)
+    probe = probe_batch(actor.tokenizer, ["1+2=3", "hello there", "abc"], 2)
+    prompts = left_padded(actor, PROMPTS)
+    assert max_diff_on_responses(lora_rollout.forward(probe), actor.forward(probe), probe) > 0.1
+    version = lora_rollout.engine.weight_version
+    try:
+        lora_rollout.import_adapter(*adapter_of(actor, tmp_path))
+        assert lora_rollout.engine.weight_version == version + 1
+        assert max_diff_on_responses(lora_rollout.forward(probe), actor.forward(probe), probe) <= LOG_PROB_ATOL
+        ours, theirs = lora_rollout.generate(prompts, GREEDY), actor.generate(prompts, GREEDY)
+        assert torch.equal(ours.batch["responses"], theirs.batch["responses"])
+        assert not torch.equal(ours.batch["responses"], strategy.generate(prompts, GREEDY).batch["responses"])
+        torch.testing.assert_close(ours.batch["rollout_log_probs"], theirs.batch["rollout_log_probs"],
+                                   atol=LOG_PROB_ATOL, rtol=0)
+    finally:
+        lora_rollout.import_weights(strategy.export_weights())
+    assert max_diff_on_responses(lora_rollout.forward(probe), strategy.forward(probe), probe) <= LOG_PROB_ATOL
+
+
+def test_each_adapter_is_a_new_version_and_merged_weights_drop_it(lora_rollout, strategy, tmp_path):
+    """Every adapter is served as its own vLLM LoRA request whose id is the new weight version; the previous one is
+    removed from vLLM, and plain weights sent after an adapter are served without it."""
+    probe = probe_batch(strategy.tokenizer, ["1+2=3", "hello there", "abc"], 2)
+    engine = lora_rollout.engine
+    first, second = lora_actor(seed=1), lora_actor(seed=2)
+    try:
+        for actor, folder in ((first, "first"), (second, "second")):
+            lora_rollout.import_adapter(*adapter_of(actor, tmp_path / folder))
+            assert engine.lora_request.lora_int_id == engine.weight_version
+            assert engine._engine.list_loras() == {engine.weight_version}
+            assert max_diff_on_responses(lora_rollout.forward(probe), actor.forward(probe), probe) <= LOG_PROB_ATOL
+        assert max_diff_on_responses(lora_rollout.forward(probe), first.forward(probe), probe) > 0.1
+        with pytest.raises(ValueError, match="not newer"):
+            lora_rollout.runner.run(engine.update_adapter(*adapter_of(first, tmp_path / "old"), engine.weight_version))
+    finally:
+        lora_rollout.import_weights(strategy.export_weights())
+    assert engine.lora_request is None and engine._engine.list_loras() == set()
+    assert max_diff_on_responses(lora_rollout.forward(probe), strategy.forward(probe), probe) <= LOG_PROB_ATOL
+
+
+def test_an_adapter_sync_that_the_engine_does_not_serve_fails_the_probe(lora_rollout, strategy, tmp_path, monkeypatch):
+    """Broken on purpose (the silent no-op of verl#7495): vLLM loads the adapter and the version goes up, but requests
+    run without it. The sync probe (`ModelUpdatePair.check`) scores with the engine's requests, so it raises."""
+    actor = lora_actor(seed=3)
+    probe = probe_batch(actor.tokenizer, ["1+2=3", "hello there", "abc"], 2)
+    pair = ModelUpdatePair(InProcess("actor", actor), InProcess("rollout", lora_rollout), probe)
+    load = VLLMEngine._load_adapter
+
+    def loaded_but_not_served(self, *args):
+        load(self, *args)
+        self.lora_request = None
+
+    monkeypatch.setattr(VLLMEngine, "_load_adapter", loaded_but_not_served)
+    version = lora_rollout.engine.weight_version
+    try:
+        lora_rollout.import_adapter(*adapter_of(actor, tmp_path / "broken"))
+        assert lora_rollout.engine.weight_version == version + 1  # the version alone does not show what is served
+        with pytest.raises(WeightSyncError, match="did not receive the trained weights"):
+            pair.check()
+        monkeypatch.undo()
+        lora_rollout.import_adapter(*adapter_of(actor, tmp_path / "fixed"))
+        assert pair.check() <= LOG_PROB_ATOL
+    finally:
+        lora_rollout.import_weights(strategy.export_weights())
+
+
+def test_an_adapter_needs_an_engine_built_for_lora(rollout, tmp_path):
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        rollout.import_adapter(*adapter_of(lora_actor(seed=1), tmp_path))
 
 
 # --- the name `vllm` in configs --------------------------------------------------------------------------

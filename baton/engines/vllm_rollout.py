@@ -68,6 +68,9 @@ class VLLMRollout:
         Python objects per token: cheap on small vocabularies, slow on 150k ones). No entropy (only training uses it).
     import_weights: all buckets in one in-place reload (`VLLMEngine.update_weights`: the tied LM head is sent too,
         running requests recompute their KV cache); each import is a new weight version.
+    import_adapter: a LoRA actor's adapter (peft's tensors and config) served on the base weights
+        (`VLLMEngine.update_adapter`, which needs `engine_kwargs: {enable_lora: true, max_lora_rank: ...}`): a new
+        weight version whose adapter every later generate and forward runs with, so the sync probe scores it.
     offload / reload: vLLM's sleep / wake-up; on CPU vLLM has no sleep mode and both free nothing.
     engine_kwargs: passed to `VLLMEngine.from_config` (e.g. `kv_cache_memory_bytes`, `max_num_seqs`), over the config's
         `engine_kwargs` (what a YAML file sets: `rollout.strategy.engine_kwargs`).
@@ -155,7 +158,7 @@ class VLLMRollout:
         call = next(self._request_ids)
         request_ids = [f"score-{call}-{row}" for row in range(len(sequences))]
         for request_id, sequence in zip(request_ids, sequences):
-            llm.add_request(request_id, {"prompt_token_ids": sequence}, params)
+            llm.add_request(request_id, {"prompt_token_ids": sequence}, params, lora_request=self.engine.lora_request)
         prompt_log_probs = {}
         while llm.has_unfinished_requests():
             for output in llm.step():
@@ -182,6 +185,12 @@ class VLLMRollout:
         """Every bucket in one in-place reload (see `VLLMEngine.update_weights`), as weight version + 1."""
         self._check_awake("import_weights")
         self.runner.run(self.engine.update_weights(buckets, self.engine.weight_version + 1))
+
+    def import_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        """Serve the base weights with this LoRA adapter (peft's names and adapter_config.json; see
+        `VLLMEngine.update_adapter`), as weight version + 1."""
+        self._check_awake("import_adapter")
+        self.runner.run(self.engine.update_adapter(tensors, adapter_config, self.engine.weight_version + 1))
 
     def offload(self) -> None:
         """vLLM's sleep (weights to CPU memory, KV cache freed) on a GPU; on CPU it frees nothing. Until `reload`,
