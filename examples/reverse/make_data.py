@@ -1,7 +1,10 @@
 """Write the string-reversal task's data: `python make_data.py` (re)writes train.jsonl and val.jsonl beside this file.
 
-Each line is {"prompt": "reverse: hello=", "answer": "olleh"}: random lower-case words of 3 to 7 letters, a fixed
-seed, and held-out words that never appear in training. The files in the repository are this script's output.
+Each training line is {"prompt": "reverse: hello=", "answer": "olleh", "demo": "olleh"}: random lower-case words of
+3 to 5 letters, a fixed seed, held-out words (val.jsonl: prompt and answer only) that never appear in training.
+`demo` is a teacher's demonstration, which SFT imitates: this teacher ends `--teacher-error` (0.8) of its answers
+with a period ("yzexobp=" -> "pboxezy."), as a model that formats answers its own way does; the reward wants the
+bare reversed word. The files in the repository are this script's output.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import random
 import string
 
 
-def make_words(num_words: int, seed: int, min_len: int = 3, max_len: int = 7) -> list[str]:
+def make_words(num_words: int, seed: int, min_len: int = 3, max_len: int = 5) -> list[str]:
     """`num_words` distinct random words, in the order drawn."""
     rng = random.Random(seed)
     words: dict[str, None] = {}
@@ -22,10 +25,15 @@ def make_words(num_words: int, seed: int, min_len: int = 3, max_len: int = 7) ->
     return list(words)
 
 
-def write_jsonl(path: str, words: list[str]) -> None:
+def write_jsonl(path: str, words: list[str], teacher_error: float | None = None, seed: int = 0) -> None:
+    """One line per word; with `teacher_error`, also the teacher's demonstration (`demo`)."""
+    rng = random.Random(seed)
     with open(path, "w") as f:
         for word in words:
-            f.write(json.dumps({"prompt": f"reverse: {word}=", "answer": word[::-1]}) + "\n")
+            row = {"prompt": f"reverse: {word}=", "answer": word[::-1]}
+            if teacher_error is not None:
+                row["demo"] = row["answer"] + ("." if rng.random() < teacher_error else "")
+            f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
@@ -34,9 +42,11 @@ def main() -> None:
     parser.add_argument("--num-train", type=int, default=4000)
     parser.add_argument("--num-val", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--teacher-error", type=float, default=0.8,
+                        help="the share of the teacher's demonstrations that end with a period")
     args = parser.parse_args()
     words = make_words(args.num_train + args.num_val, args.seed)
-    write_jsonl(os.path.join(args.out_dir, "train.jsonl"), words[args.num_val:])
+    write_jsonl(os.path.join(args.out_dir, "train.jsonl"), words[args.num_val:], args.teacher_error, args.seed)
     write_jsonl(os.path.join(args.out_dir, "val.jsonl"), words[: args.num_val])
     print(f"wrote {args.num_train} training and {args.num_val} held-out examples to {args.out_dir}")
 
