@@ -15,8 +15,8 @@ from baton.data.proto import DataProto
 
 def balanced_order(lengths: list[int], num_parts: int) -> list[int]:
     """Row indices such that consecutive equal pieces (len(lengths) / num_parts rows each) hold about equal sums of
-    `lengths`: longest rows first, each to the piece with the least so far among those with room (the greedy
-    bound: no piece exceeds the mean by more than the longest row). Each piece keeps its rows in their first order."""
+    `lengths`: longest rows first, each to the piece with the least so far among those with room. Each piece keeps
+    its rows in their first order."""
     size = len(lengths) // num_parts
     totals, parts = [0] * num_parts, [[] for _ in range(num_parts)]
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
