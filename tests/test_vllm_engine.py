@@ -635,3 +635,46 @@ def test_the_vllm_grpo_example_runs_with_the_actors_log_probs(tmp_path, request,
         assert "timing_s/sync" in record  # synced, and the probe passed (WeightSyncError otherwise)
         assert 0 < record["rollout/logprob_diff/max"] <= 1e-4, record
         assert record["actor/grad_norm"] >= 0  # the exact-match reward may give these few samples no signal
+
+
+LORA_DEMO = [*THREE_STEP_DEMO, "rlvr.actor.strategy.lora.rank=8", "rlvr.actor.strategy.lora.alpha=16",
+             "rlvr.actor.strategy.optimizer.lr=3e-3", "rlvr.rollout.strategy.engine_kwargs.enable_lora=true",
+             "rlvr.rollout.strategy.engine_kwargs.max_lora_rank=8",
+             "rlvr.algorithm.entropy_coeff=0.1"]  # an update moves the adapter whatever the rewards
+
+
+@needs_vllm
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_lora_actor_sends_only_its_adapter_to_a_vllm_rollout_built_for_adapters(tmp_path, request, monkeypatch,
+                                                                                  backend):
+    """The demo's GRPO stage with a LoRA actor and a vLLM rollout built with enable_lora, in the driver's process or
+    in Ray workers: every sync sends the adapter (in the driver's process merged weights would fail here), the probe
+    passes, and the rollout's log-probs are the actor's."""
+    from baton.engines.vllm_rollout import VLLMRollout
+
+    def merged(self, buckets):
+        raise AssertionError("merged weights were sent to a rollout that serves adapters")
+
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    monkeypatch.setattr(VLLMRollout, "import_weights", merged)
+    pipeline_cls, config = resolve(os.path.join(EXAMPLES, "vllm_grpo.yaml"),
+                                   [*LORA_DEMO, f"rlvr.trainer.backend={backend}", f"run_dir={tmp_path}"])
+    assert run_pipeline(pipeline_cls, config)["rlvr"]["num_steps"] == 3
+    records = [r for r in read_metrics(str(tmp_path / "rlvr" / "metrics.jsonl")) if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert "timing_s/sync" in record
+        assert 0 < record["rollout/logprob_diff/max"] <= 1e-4, record
+
+
+@needs_vllm
+def test_an_adapter_sync_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
+    """Broken on purpose: the rollout drops the adapter it is sent (verl#7495's silent no-op). The first sync passes
+    (peft's adapter starts as the identity), the one after the first update fails the probe."""
+    from baton.engines.vllm_rollout import VLLMRollout
+
+    monkeypatch.setattr(VLLMRollout, "import_adapter", lambda self, tensors, adapter_config: None)
+    pipeline_cls, config = resolve(os.path.join(EXAMPLES, "vllm_grpo.yaml"), [*LORA_DEMO, f"run_dir={tmp_path}"])
+    with pytest.raises(WeightSyncError, match="did not receive the trained weights"):
+        run_pipeline(pipeline_cls, config)

@@ -9,7 +9,7 @@ from baton.datasets import PromptDataset, collate_prompts
 from baton.pipelines.config import RoleConfig, SamplingConfig
 from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.rl.metrics import reward_error_count, validation_set_metrics
-from baton.strategy.capabilities import shares_policy_weights
+from baton.strategy.capabilities import shares_policy_weights, syncs_policy_adapter
 from baton.tracking.samples import Validation, batch_rows
 from baton.workers import ActorWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
@@ -38,6 +38,8 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
 
     colocated (built with FUSED_POLICY): when both roles run on one backend that shares weights in process
     (`shares_policy_weights`, e.g. both `hf` without LoRA), the sync shares tensors instead of copying them.
+    A LoRA actor sends only its adapter to a rollout whose engine serves adapters (`syncs_policy_adapter`: `vllm` with
+    `engine_kwargs: {enable_lora: true, max_lora_rank: R}`), merged weights to any other.
     """
     probe = None
     if probe_data is not None and len(probe_data):
@@ -45,7 +47,8 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
         probe = probe_batch(tokenizer, [str(e[probe_data.prompt_key]) + str(e[probe_data.answer_key]) for e in examples], 1)
     share = colocated and shares_policy_weights(actor.strategy, rollout.strategy)
     pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe, atol=probe_tolerance(actor, rollout),
-                           share_role="actor" if share else None)
+                           share_role="actor" if share else None,
+                           adapter_only=syncs_policy_adapter(actor.strategy, rollout.strategy))
     pair.sync()
     return pair
 

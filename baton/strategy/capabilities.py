@@ -30,6 +30,8 @@ class Capabilities:
     filtered_log_probs: reports the log-probs of the top-k / top-p filtered distribution, which the actor does not
         recompute (so sampling filters are refused).
     takes_engine_kwargs: passes `StrategyConfig.engine_kwargs` to the inference engine it runs on.
+    serves_lora_adapters: serves a LoRA actor's adapter on its own base weights (`import_adapter`) when its engine is
+        built for adapters (`engine_kwargs: {enable_lora: true, max_lora_rank: R}`), so the sync sends the adapter.
     engine: import path of `fn(config: StrategyConfig, max_num_seqs: int) -> baton.engines.protocol.ServedEngine`,
         the request-level engine that a rollout-system `EngineWorker` serves; None: it serves no requests.
     check_installed: import path of `fn()` that raises ImportError, with the install command, where a package the
@@ -45,6 +47,7 @@ class Capabilities:
     devices_per_worker: bool = False
     filtered_log_probs: bool = False
     takes_engine_kwargs: bool = False
+    serves_lora_adapters: bool = False
     engine: str | None = None
     check_installed: str | None = None
 
@@ -73,7 +76,7 @@ BACKENDS: Registry[Backend] = Registry("strategy", {
     # (scripts/setup.sh --vllm).
     "vllm": Backend("baton.engines.vllm_rollout:VLLMRollout", Capabilities(
         trains=False, devices_per_worker=True, filtered_log_probs=True, takes_engine_kwargs=True,
-        engine="baton.engines.vllm_rollout:serve", check_installed="baton.engines.vllm_rollout:require_vllm")),
+        serves_lora_adapters=True, engine="baton.engines.vllm_rollout:serve", check_installed="baton.engines.vllm_rollout:require_vllm")),
 })
 
 
@@ -111,3 +114,10 @@ def shares_policy_weights(actor: StrategyConfig, rollout: StrategyConfig) -> boo
     """Whether a fused actor and rollout share tensors (`can_share_weights`): never with a LoRA actor, whose served
     weights are merged (W + scale · B A), tensors it does not hold; those are copied."""
     return actor.lora is None and can_share_weights(actor.name, rollout.name)
+
+
+def syncs_policy_adapter(actor: StrategyConfig, rollout: StrategyConfig) -> bool:
+    """Whether the actor → rollout sync sends only a LoRA actor's adapter: the rollout's backend serves adapters and
+    its engine is built for them (`engine_kwargs` enable_lora); otherwise a LoRA actor sends merged weights."""
+    return (actor.lora is not None and capabilities(rollout.name).serves_lora_adapters
+            and bool(rollout.engine_kwargs.get("enable_lora", False)))

@@ -29,7 +29,7 @@ from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
-from baton.strategy.lora import add_lora, has_adapter, load_adapter, merged_state_dict, save_adapter
+from baton.strategy.lora import adapter_state, add_lora, has_adapter, load_adapter, merged_state_dict, save_adapter
 from baton.strategy.padding import pad_responses, trim_padding
 from baton.strategy.sampling import generation_output, prompt_row_seeds, sample
 
@@ -285,6 +285,13 @@ class TorchStrategy:
                 bucket, size = {}, 0
         if bucket:
             yield bucket
+
+    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The LoRA adapter alone (`adapter_state`: peft's tensors and adapter_config.json), for a rollout that serves
+        adapters on its own copy of the base (`syncs_policy_adapter`)."""
+        if self.peft_model is None:
+            raise ValueError("export_adapter on a role without strategy.lora: it has no adapter; use export_weights")
+        return adapter_state(self.peft_model)
 
     def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         if self.peft_model is not None:

@@ -69,6 +69,17 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def adapter_state(peft_model) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter as `save_adapter` writes it, in memory: its tensors in peft's names (copies) and the dict of
+    adapter_config.json, for an engine that serves adapters (vLLM)."""
+    from peft import get_peft_model_state_dict
+
+    tensors = {name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(peft_model).items()}
+    config = {name: sorted(value) if isinstance(value, set) else value
+              for name, value in peft_model.peft_config[ADAPTER].to_dict().items()}
+    return tensors, {**config, "inference_mode": True}
+
+
 def save_adapter(peft_model, directory: str) -> None:
     """The adapter in peft's format: adapter_model.safetensors and adapter_config.json."""
     peft_model.save_pretrained(directory, safe_serialization=True)

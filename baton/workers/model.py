@@ -37,6 +37,19 @@ class ModelWorker(Worker):
         """Load buckets made by `export_weights`, one at a time."""
         self.strategy.import_weights(_fetch(b).tensors for b in buckets)
 
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def export_adapter(self) -> tuple:
+        """A LoRA role's adapter: (its tensors as one bucket, an object-store ref on Ray; adapter_config.json's dict)."""
+        tensors, config = self.strategy.export_adapter()
+        bucket = TensorBucket(tensors)
+        return (_put(bucket) if self.context.backend == "ray" else bucket), config
+
+    @register(Dispatch.ONE_TO_ALL)
+    def import_adapter(self, adapter: tuple) -> None:
+        """Serve an adapter made by `export_adapter` on this role's base weights."""
+        bucket, config = adapter
+        self.strategy.import_adapter(_fetch(bucket).tensors, config)
+
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
         self.strategy.save_checkpoint(path, overwrite=overwrite)

@@ -27,12 +27,15 @@ class ModelUpdatePair:
         on matching strategies agree to ~1e-6; raise `atol` for bf16 or a different inference engine.
     share_role: the source's role name when the two are colocated in one process: share, don't copy.
         A sharing pair is probed on its first sync only: from then on both sides hold the same tensors.
+    adapter_only: send only a LoRA source's adapter (`export_adapter` -> `import_adapter`), which the destination
+        serves on its own copy of the base; the probe then checks that the destination serves it.
     """
 
     def __init__(self, src: Cluster, dst: Cluster, probe: DataProto | None = None, atol: float = 1e-4,
-                 bucket_bytes: int = 256 << 20, share_role: str | None = None):
+                 bucket_bytes: int = 256 << 20, share_role: str | None = None, adapter_only: bool = False):
+        assert not (adapter_only and share_role is not None), "a shared model has no adapter of its own to send"
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
-        self.bucket_bytes, self.share_role = bucket_bytes, share_role
+        self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
         self.num_syncs = 0
 
     def source_log_probs(self):
@@ -43,6 +46,8 @@ class ModelUpdatePair:
         start = time.perf_counter()
         if self.share_role is not None:
             self.dst.share_weights_with(self.share_role)
+        elif self.adapter_only:
+            self.dst.import_adapter(self.src.export_adapter())
         else:
             self.dst.import_weights(self.src.export_weights(self.bucket_bytes))
         metrics = {"timing_s/weight_sync": time.perf_counter() - start}
