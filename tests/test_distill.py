@@ -149,8 +149,10 @@ def test_the_teachers_top_k_is_k_values_and_ids_per_token_and_the_students_loss_
         return torch.log_softmax(logits[:, -response_len - 1:-1].float(), -1)
 
     reference = full_log_probs(teacher).topk(5, -1)
-    assert torch.equal(top.batch["top_k_ids"], reference.indices)
-    assert torch.allclose(top.batch["top_k_log_probs"], reference.values, atol=1e-5)
+    real = batch.batch["attention_mask"][:, -response_len:].bool()  # padding positions skip the LM head: zeros
+    assert torch.equal(top.batch["top_k_ids"][real], reference.indices[real])
+    assert torch.allclose(top.batch["top_k_log_probs"][real], reference.values[real], atol=1e-5)
+    assert not real.all() and top.batch["top_k_log_probs"][~real].abs().sum() == 0
     with pytest.raises(ValueError, match=f"top-k k={vocab + 1} must be in \\[1, {vocab}\\]"):
         teacher.top_k_log_probs(batch, vocab + 1)
 

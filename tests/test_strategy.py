@@ -225,8 +225,12 @@ def test_forward_matches_full_softmax(rollout, chunk_size, temperature):
     log_softmax = torch.log_softmax(model_logits(strategy, rollout) / temperature, -1)
     expected = log_softmax.gather(-1, rollout.batch["responses"][..., None]).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    torch.testing.assert_close(out.batch["log_probs"], expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.batch["entropy"], entropy, atol=1e-5, rtol=0)
+    # At the real response tokens; a padding position skips the LM head and gets zeros.
+    real = rollout.batch["attention_mask"][:, -expected.shape[1]:].bool()
+    assert not real.all()
+    torch.testing.assert_close(out.batch["log_probs"][real], expected[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.batch["entropy"][real], entropy[real], atol=1e-5, rtol=0)
+    assert out.batch["log_probs"][~real].abs().sum() == 0 == out.batch["entropy"][~real].abs().sum()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

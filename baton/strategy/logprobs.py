@@ -241,12 +241,23 @@ class RLHead(torch.nn.Module):
             return {"values": score(hidden)[..., 0].float()}
         hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len, self.packing)
         lm_head = self.model.get_output_embeddings()
+        # Only the real response tokens go through the LM head, as one row: a padding position's outputs are never
+        # read, and at a real vocabulary the head costs more than several layers. Padding positions get zeros.
+        real = attention_mask[:, -response_len:].bool()
+        hidden = hidden[real][None]  # [1, tokens, hidden]
         if top_k:
             values, ids = token_top_k(hidden, lm_head, top_k, temperature, self.chunk_size)
-            return {"top_k_log_probs": values, "top_k_ids": ids}
-        log_probs, entropy = token_log_probs(hidden, lm_head, responses, temperature, self.chunk_size, with_entropy,
-                                             entropy_grad)
-        out = {"log_probs": log_probs, "entropy": entropy}
+            return {"top_k_log_probs": at_rows(values, real), "top_k_ids": at_rows(ids, real)}
+        log_probs, entropy = token_log_probs(hidden, lm_head, responses[real][None], temperature, self.chunk_size,
+                                             with_entropy, entropy_grad)
+        out = {"log_probs": at_rows(log_probs, real), "entropy": at_rows(entropy, real)}
         if log_probs_at is not None:
-            out["log_probs_at"] = token_log_probs_at(hidden, lm_head, log_probs_at, temperature, self.chunk_size)
+            out["log_probs_at"] = at_rows(token_log_probs_at(hidden, lm_head, log_probs_at[real][None], temperature,
+                                                             self.chunk_size), real)
         return out
+
+
+def at_rows(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """`values` of the real positions, [1, tokens, ...], back at their rows' positions [rows, len, ...]; zeros elsewhere."""
+    out = values.new_zeros((*real.shape, *values.shape[2:]))
+    return out.index_put((real,), values[0])
