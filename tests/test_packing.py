@@ -14,6 +14,7 @@ from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.fsdp2 import Fsdp2Strategy
 from baton.strategy.hf import HFStrategy
 from baton.strategy.logprobs import RLHead, response_hidden_states
+from baton.strategy import packing as packing_module
 from baton.strategy.packing import packed_mask, plan_packing
 from conftest import padded_batch
 
@@ -35,7 +36,8 @@ def test_plan_puts_every_real_token_once_into_bins_as_long_as_the_longest_row(ba
     slots = set(zip(plan.bins.tolist(), plan.slots.tolist()))
     assert len(slots) == len(plan.rows) and all(0 <= s < plan.length for _, s in slots)  # no slot used twice
     # 84 real tokens in bins of 15: 6 at the least, far fewer positions than the padded 8 x 20.
-    assert 6 <= plan.num_bins <= 7 and plan.cost < mask.numel()
+    assert 6 <= plan.num_bins <= 7 and plan.cost == plan.num_bins * 15 < mask.numel() and not plan.separate
+    assert sum(plan.fills) == 84 and max(plan.fills) <= 15
 
 
 def test_the_mask_lets_a_token_see_only_the_earlier_tokens_of_its_own_row():
@@ -54,8 +56,14 @@ def test_the_mask_lets_a_token_see_only_the_earlier_tokens_of_its_own_row():
 
 # sdpa in float64, so that summation order (which packing changes) cannot hide a real difference; eager in float32
 # (its padded pass makes NaNs at left padding in float64), to float32 rounding.
+# Bins run as one batch (these bins are short) or, with SEPARATE_BINS_FROM lowered, one pass per bin at its own fill.
+@pytest.mark.parametrize("separate", [False, True], ids=["batched", "separate"])
 @pytest.mark.parametrize("attention, dtype, tolerance", [("sdpa", torch.float64, 1e-10), ("eager", torch.float32, 1e-3)])
-def test_packed_hidden_states_and_their_gradients_match_the_padded_pass(batch, attention, dtype, tolerance):
+def test_packed_hidden_states_and_their_gradients_match_the_padded_pass(batch, attention, dtype, tolerance, separate,
+                                                                        monkeypatch):
+    if separate:
+        monkeypatch.setattr(packing_module, "SEPARATE_BINS_FROM", 1)
+    assert plan_packing(batch.batch["attention_mask"]).separate == separate
     model = build_model({"base": "tiny-qwen2", "attn_implementation": attention}, seed=0, dtype=dtype)
     data = batch.batch
     mask = data["response_mask"].bool()

@@ -4,7 +4,9 @@ A batch of reasoning traces padded to its longest row is mostly padding. Packed,
 column order, with their own position ids) are laid one after another into bins as long as the longest row
 (first fit, longest rows first), and the model runs on the bins: a `[bins, 1, length, length]` mask lets a token
 attend only to the tokens before it in its own row, so each row's hidden states are those of its padded pass up to
-float rounding. The hidden states are then put back at the rows' padded columns (zeros at padding).
+float rounding. The hidden states are then put back at the rows' padded columns (zeros at padding). Bins of
+`SEPARATE_BINS_FROM` tokens or more (long traces) run one pass each at their own fill, so no position is padding;
+shorter ones run as one batch, where a call per bin would cost more than the padding it saves.
 
 Why a mask and not position ids alone: with sdpa or eager attention on CPU, restarting the position ids at each
 row does not keep rows apart (their keys stay visible; measured: logit differences of ~0.5). A boolean mask
@@ -20,6 +22,7 @@ import torch
 
 # The attention implementations whose masks packing builds: a boolean mask (sdpa), an additive float mask (eager).
 PACKABLE_ATTENTION = ("sdpa", "eager")
+SEPARATE_BINS_FROM = 1024  # tokens: bins this long run a pass each (`Packing.separate`)
 
 
 def attention_implementation(model) -> str:
@@ -49,11 +52,18 @@ class Packing:
     slots: torch.Tensor
     num_bins: int
     length: int
+    fills: list[int]  # each bin's used slots, from its first
+
+    @property
+    def separate(self) -> bool:
+        """Long bins run one pass each at their own fill (no padding at all); short ones as one batch, where a pass
+        per bin would cost more in calls than the padding it saves."""
+        return self.length >= SEPARATE_BINS_FROM
 
     @property
     def cost(self) -> int:
-        """Token positions the packed pass runs: every slot of every bin."""
-        return self.num_bins * self.length
+        """Token positions the packed pass runs."""
+        return sum(self.fills) if self.separate else self.num_bins * self.length
 
 
 def plan_packing(attention_mask: torch.Tensor) -> Packing:
@@ -75,18 +85,27 @@ def plan_packing(attention_mask: torch.Tensor) -> Packing:
     offset_in_row = real.long().cumsum(-1)[rows, columns] - 1
     bins = torch.tensor(bin_of_row, device=device, dtype=torch.long)[rows]
     slots = torch.tensor(start_of_row, device=device, dtype=torch.long)[rows] + offset_in_row
-    return Packing(rows, columns, bins, slots, max(len(free), 1), length)
+    return Packing(rows, columns, bins, slots, max(len(free), 1), length, [length - room for room in free] or [0])
 
 
 def packed_mask(packing: Packing, dtype: torch.dtype | None) -> torch.Tensor:
     """`[bins, 1, length, length]`: True (dtype None, for sdpa) or 0 (an additive float mask of `dtype`, for eager)
     where a query slot may attend to a key slot: an earlier or the same slot of its own row. An empty slot attends to
     itself and the empty slots before it, so no query sees nothing (which would make NaNs)."""
+    return _mask(_segments(packing), dtype)
+
+
+def _segments(packing: Packing) -> torch.Tensor:
+    """`[bins, length]`: each slot's row, -1 where empty."""
     segment = torch.full((packing.num_bins, packing.length), -1, dtype=torch.long, device=packing.rows.device)
     segment[packing.bins, packing.slots] = packing.rows
-    causal = torch.ones(packing.length, packing.length, dtype=torch.bool, device=segment.device).tril()
-    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
-    allowed = allowed[:, None]
+    return segment
+
+
+def _mask(segment: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    length = segment.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment.device).tril()
+    allowed = ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
     if dtype is None:
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -94,20 +113,28 @@ def packed_mask(packing: Packing, dtype: torch.dtype | None) -> torch.Tensor:
 
 def packed_response_hidden_states(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                   position_ids: torch.Tensor, response_len: int, packing: Packing) -> torch.Tensor:
-    """The hidden states that predict each response token, `[rows, response_len, hidden]`, from one packed pass;
-    zeros where the padded layout has padding."""
+    """The hidden states that predict each response token, `[rows, response_len, hidden]`, from the packed bins
+    (one batched pass, or one pass per bin: `Packing.separate`); zeros where the padded layout has padding."""
     shape = (packing.num_bins, packing.length)
     packed_ids = input_ids.new_zeros(shape)
     packed_ids[packing.bins, packing.slots] = input_ids[packing.rows, packing.columns]
     packed_positions = position_ids.new_zeros(shape)
     packed_positions[packing.bins, packing.slots] = position_ids[packing.rows, packing.columns]
-    eager = attention_implementation(decoder) == "eager"
-    mask = packed_mask(packing, decoder.dtype if eager else None)
-    hidden = decoder(input_ids=packed_ids, attention_mask=mask, position_ids=packed_positions,
-                     use_cache=False).last_hidden_state  # [bins, length, hidden]
+    segment = _segments(packing)
+    mask_dtype = decoder.dtype if attention_implementation(decoder) == "eager" else None
+    if packing.separate:
+        hidden = torch.cat([
+            decoder(input_ids=packed_ids[b : b + 1, :fill], position_ids=packed_positions[b : b + 1, :fill],
+                    attention_mask=_mask(segment[b : b + 1, :fill], mask_dtype), use_cache=False).last_hidden_state[0]
+            for b, fill in enumerate(packing.fills)])
+        starts = torch.tensor([0, *packing.fills[:-1]], device=input_ids.device).cumsum(0)
+        index = starts[packing.bins] + packing.slots  # each token's row in `hidden` [sum of fills, hidden]
+    else:
+        hidden = decoder(input_ids=packed_ids, attention_mask=_mask(segment, mask_dtype), position_ids=packed_positions,
+                         use_cache=False).last_hidden_state.flatten(0, 1)  # [bins * length, hidden]
+        index = packing.bins * packing.length + packing.slots
     # The padded pass's columns seq - response_len - 1 .. seq - 2 predict the response tokens.
     first = input_ids.shape[1] - response_len - 1
     wanted = (packing.columns >= first) & (packing.columns < first + response_len)
     out = hidden.new_zeros(input_ids.shape[0], response_len, hidden.shape[-1])
-    return out.index_put((packing.rows[wanted], packing.columns[wanted] - first),
-                         hidden[packing.bins[wanted], packing.slots[wanted]])
+    return out.index_put((packing.rows[wanted], packing.columns[wanted] - first), hidden[index[wanted]])
