@@ -9,7 +9,8 @@ its resident memory passes `--mem-cap-gib`, so one side's failure is a figure, n
     padded   packing off, micro-batches of --micro-rows rows          (the throughput baseline)
     packed   packing on, the same micro-batches                       -> packed_vs_padded_tokens_per_s
     naive    padded, no checkpointing, the log-softmax over the whole vocabulary at once (no chunks)
-    baton    packed + activation checkpointing + chunked log-probs   -> memory_ratio_vs_naive
+    baton    packed + activation checkpointing + chunked log-probs   -> memory_ratio_vs_naive (naive out of memory
+             where baton fits meets the target; the ratio is then to the cap, an upper bound)
     lora     baton's side with LoRA (rank 16) on the projections    -> lora_memory_ratio_vs_full
     tokens_N packed + checkpointing, one micro-batch of N tokens     -> bytes_per_token_per_layer
 
@@ -203,6 +204,7 @@ def main() -> int:
     parser.add_argument("--micro-rows", type=int, default=4, help="rows per micro-batch of the trace-batch sides")
     parser.add_argument("--mem-cap-gib", type=float, default=16.0, help="a side past this resident memory is killed")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per side (default: torch's)")
+    parser.add_argument("--sides", default=None, help="comma-separated names of the sides to run (default: all)")
     parser.add_argument("--side", help=argparse_hidden())
     parser.add_argument("--side-settings", help=argparse_hidden())
     args = parser.parse_args()
@@ -227,7 +229,11 @@ def main() -> int:
     print(f"model: Qwen2.5-0.5B shape, {args.layers} layers, vocabulary {args.vocab or 151936}; batch: {args.rows} "
           f"traces, responses {sorted(r for _, r in lengths)} tokens")
     sides = {}
+    wanted = set(args.sides.split(",")) if args.sides else None
     for name, settings in side_configs(args).items():
+        if wanted is not None and name not in wanted:
+            sides[name] = {"skipped": "not in --sides"}
+            continue
         sides[name] = result = spawn_side(name, settings, args)
         shown = ("out of memory" if result.get("out_of_memory") else result.get("failed") or result.get("skipped")
                  or f"{result['tokens_per_s']:8.1f} tokens/s, peak {result['peak_rss_mib']:7.0f} MiB, "
@@ -253,13 +259,16 @@ def main() -> int:
         "bytes_per_token_per_layer": slope * 2 ** 20 / args.layers if slope is not None else None,
         "targets": TARGETS,
     }
-    if sides["naive"].get("out_of_memory") and "peak_rss_mib" in sides["baton"]:
-        figures["memory_ratio_vs_naive"] = sides["baton"]["peak_rss_mib"] / (args.mem_cap_gib * 1024)  # an upper bound
-        figures["naive_out_of_memory"] = True
+    # The naive side out of memory where baton's fits meets the memory target too (issue 35); the ratio to the cap
+    # is then an upper bound of the real one.
+    naive_out = bool(sides["naive"].get("out_of_memory")) and "tokens_per_s" in sides["baton"]
+    if naive_out:
+        figures["memory_ratio_vs_naive"] = sides["baton"]["peak_rss_mib"] / (args.mem_cap_gib * 1024)
+    figures["naive_out_of_memory"] = naive_out
     figures["passed"] = {
         "packed_vs_padded_tokens_per_s": (figures["packed_vs_padded_tokens_per_s"] or 0) >= TARGETS[
             "packed_vs_padded_tokens_per_s"],
-        "memory_ratio_vs_naive": (figures["memory_ratio_vs_naive"] or 1) <= TARGETS["memory_ratio_vs_naive"],
+        "memory_ratio_vs_naive": naive_out or (figures["memory_ratio_vs_naive"] or 1) <= TARGETS["memory_ratio_vs_naive"],
         "lora_memory_ratio_vs_full": (figures["lora_memory_ratio_vs_full"] or 1) <= TARGETS["lora_memory_ratio_vs_full"],
     }
     for key in ("packed_vs_padded_tokens_per_s", "memory_ratio_vs_naive", "lora_memory_ratio_vs_full", "mfu_vs_matmul",
