@@ -5,6 +5,7 @@ with no traceback and no hang, and `baton config` writes nothing."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -242,3 +243,25 @@ def test_a_bad_override_value_is_refused_like_a_file(tmp_path):
         apply_overrides({}, ["actor.env_vars=" + "[" * 100 + "]" * 100], RLVRConfig)
     (tmp_path / "ok.yaml").write_text("seed: 3\n")
     assert load_yaml(tmp_path / "ok.yaml") == {"seed": 3}
+
+
+def test_a_config_loaded_after_an_untrusted_run_that_recorded_its_directory_finds_its_modules(tmp_path, monkeypatch,
+                                                                                           fresh_paths):
+    """Opening an untrusted run takes the directories it recorded off sys.path; a config loaded from one of them
+    afterwards must make it importable again (it found nothing when the earlier load was remembered, and the
+    verl_format example then failed to import its reward after a test had evaluated a run of another example)."""
+    from baton.pipelines.evaluate import run_config
+
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    (examples / "myreward_mod.py").write_text("def score(response, ground_truth, **fields):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    paths.add_config_dir(examples / "task.yaml")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_1" / "actor").mkdir(parents=True)
+    (run / "config.yaml").write_text("pipeline_cls: baton.pipelines.sft:SFTPipeline\n")
+    (run / paths.IMPORT_DIRS_FILE).write_text(f"{examples}\n")
+    run_config(str(run / "checkpoints" / "step_1" / "actor"))  # untrusted: examples/ leaves sys.path
+    assert str(examples) not in sys.path
+    paths.add_config_dir(examples / "task.yaml")
+    assert str(examples) in sys.path and importlib.util.find_spec("myreward_mod") is not None

@@ -52,6 +52,14 @@ def add_config_dir(config_path: str | os.PathLike, *, importable: bool = True) -
     os.environ["PYTHONPATH"] = os.pathsep.join([*inherited, *(p for p in sys.path if p and p not in inherited)])
 
 
+def drop_import_dirs(directories) -> None:
+    """Take `directories` (and whatever resolves to them) off `sys.path` and out of what `add_config_dir` added, so a
+    config loaded from one of them later makes it importable again: how an untrusted run directory is opened."""
+    untrusted = {os.path.realpath(d) for d in directories}
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) not in untrusted]
+    _IMPORT_DIRS[:] = [d for d in _IMPORT_DIRS if os.path.realpath(d) not in untrusted]
+
+
 def recorded_import_dirs(config_dir: str) -> list[str]:
     """The directories in `config_dir`/import_dirs.txt, world-writable ones left out (an older run may list them)."""
     record = os.path.join(config_dir, IMPORT_DIRS_FILE)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from baton.checkpoint import PIPELINE_STATE, has_state
 from baton.config import ConfigError, import_object, load_config, load_yaml
-from baton.config.paths import recorded_import_dirs
+from baton.config.paths import drop_import_dirs, recorded_import_dirs
 from baton.pipelines.run_dir import list_checkpoints
 from baton.pipelines.config import DataConfig, SamplingConfig
 from baton.strategy.lora import has_adapter
@@ -69,8 +69,7 @@ def run_config(model_dir: str, *, trust_run_dir: bool = False, reward: str | Non
     if reward is not None and "reward_fn" in data:
         data["reward_fn"] = reward
     if not trust_run_dir:
-        untrusted = {os.path.realpath(d) for d in [run_dir, *recorded_import_dirs(run_dir)]}
-        sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) not in untrusted]
+        drop_import_dirs([run_dir, *recorded_import_dirs(run_dir)])
         check_untrusted_imports(path, data)
     pipeline_path = data.get("pipeline_cls")
     if not isinstance(pipeline_path, str):
