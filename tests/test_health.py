@@ -32,13 +32,13 @@ def grpo(actor: RoleConfig, num_steps: int, num_mini_batches: int = 1) -> RLVRCo
 # --- the lr schedule against the run's updates (issue 34, item 2) ---------------------------------------------------
 
 def test_baton_config_refuses_more_steps_than_an_explicit_schedule_spans(capsys):
-    """The issue's case: the own-task example's GRPO stage (cosine over 150 updates) given 300 steps left the lr at 0
-    for the last 150, and `baton config` said the checks passed."""
+    """The issue's case: the own-task example's GRPO stage (cosine over 150 updates then, 100 now) given 300 steps
+    left the lr at 0 for the rest, and `baton config` said the checks passed."""
     assert main(["config", os.path.join(EXAMPLES, "reverse", "config.yaml"), "rlvr.trainer.num_steps=300"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert ("rlvr stage: actor.strategy.scheduler.total_steps=150: the cosine decay reaches lr 0 after 150 updates, but "
-            "this run makes 300 (trainer.num_steps=300 × 1 per step), so its last 150 would train nothing; set "
+    assert ("rlvr stage: actor.strategy.scheduler.total_steps=100: the cosine decay reaches lr 0 after 100 updates, but "
+            "this run makes 300 (trainer.num_steps=300 × 1 per step), so its last 200 would train nothing; set "
             "actor.strategy.scheduler.total_steps=300, remove it") in err
 
 
