@@ -38,7 +38,7 @@ import time
 import torch
 
 from common import finish, parser as common_parser
-from scale import grpo_batch, model_flops, trace_lengths
+from scale import grpo_batch, matmul_flops_per_s, model_flops, trace_lengths
 
 SEED = 0
 # bf16 dense tensor-core peaks (NVIDIA datasheets, without sparsity); the first name found in the device's name counts.
@@ -108,18 +108,6 @@ def device_info() -> dict:
         info.update(name=torch.cuda.get_device_name(), cuda=torch.version.cuda,
                     memory_bytes=torch.cuda.get_device_properties(0).total_memory)
     return info
-
-
-def matmul_bf16_flops_per_s(device: torch.device, size: int, repeats: int = 20) -> float:
-    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    return repeats * 2 * size ** 3 / (time.perf_counter() - start)
 
 
 def strategy_config(model, settings: dict, args):
@@ -277,7 +265,7 @@ def main() -> int:
     args.models, args.concurrency = DRY_MODELS if args.dry_run else MODELS, [64, 256]
     lengths = trace_lengths(args.rows, args.mean_len, args.max_len, SEED)
 
-    matmul = matmul_bf16_flops_per_s(device, 256 if args.dry_run else 8192)
+    matmul = matmul_flops_per_s(256 if args.dry_run else 8192, 20, torch.bfloat16, device)
     name = device_info().get("name", "")
     table = next((key for key in BF16_PEAK_FLOPS if key in name), None)
     peak_flops = BF16_PEAK_FLOPS[table] if table else matmul

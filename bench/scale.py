@@ -24,6 +24,7 @@ float32 matmul FLOP/s measured at the start of the same run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -99,7 +100,7 @@ def side_configs(args) -> dict[str, dict]:
     return sides
 
 
-def run_side(name: str, settings: dict, args) -> dict:
+def run_side(settings: dict, args) -> dict:
     """In this (child) process: build the side's strategy, one tiny update, then the measured one."""
     from baton.rl.losses import PolicyLoss
     from baton.strategy import OptimizerConfig, StrategyConfig
@@ -152,13 +153,19 @@ def model_flops(model, lengths: list[tuple[int, int]]) -> float:
     return flops
 
 
-def matmul_flops_per_s(size: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(2):
+def matmul_flops_per_s(size: int = 2048, repeats: int = 10, dtype: torch.dtype = torch.float32,
+                       device: torch.device = torch.device("cpu")) -> float:
+    """FLOP/s of square `size` matmuls of `dtype` on `device`, after a warm-up (synchronised on a GPU)."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
         a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return repeats * 2 * size ** 3 / (time.perf_counter() - start)
 
 
@@ -205,8 +212,8 @@ def main() -> int:
     parser.add_argument("--mem-cap-gib", type=float, default=16.0, help="a side past this resident memory is killed")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per side (default: torch's)")
     parser.add_argument("--sides", default=None, help="comma-separated names of the sides to run (default: all)")
-    parser.add_argument("--side", help=argparse_hidden())
-    parser.add_argument("--side-settings", help=argparse_hidden())
+    parser.add_argument("--side", help=argparse.SUPPRESS)  # the child process of one side (`spawn_side`)
+    parser.add_argument("--side-settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
     defaults = ({"layers": 2, "vocab": 8192, "rows": 4, "mean_len": 64, "max_len": 256} if args.quick else
                 {"layers": 4, "vocab": 0, "rows": 8, "mean_len": 1024, "max_len": 4096})
@@ -220,7 +227,7 @@ def main() -> int:
         args.passthrough.append(f"--threads={args.threads}")
         torch.set_num_threads(args.threads)
     if args.side:
-        print(json.dumps(run_side(args.side, json.loads(args.side_settings), args)))
+        print(json.dumps(run_side(json.loads(args.side_settings), args)))
         return 0
 
     matmul = matmul_flops_per_s(1024 if args.quick else 2048)
@@ -276,12 +283,6 @@ def main() -> int:
         value = figures[key]
         print(f"{key:32s} {'n/a' if value is None else f'{value:.3g}'}")
     return finish(figures, args.json, args.check)
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ import torch
 from baton.engines.protocol import FinishReason, GenerationRequest, GenerationResult
 from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
+from baton.strategy.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -248,8 +249,8 @@ class VLLMEngine(ServingLoop):
         directory = os.path.join(self._adapter_directory, f"v{version}")
         os.makedirs(directory)
         save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
-                  os.path.join(directory, "adapter_model.safetensors"))
-        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+                  os.path.join(directory, ADAPTER_WEIGHTS))
+        with open(os.path.join(directory, ADAPTER_CONFIG), "w") as f:
             json.dump(adapter_config, f)
         request = LoRARequest(f"baton-v{version}", version, directory)
         self._drop_adapter()

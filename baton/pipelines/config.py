@@ -279,6 +279,11 @@ class RLVRConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the algorithm reads a reference's log-probs: a `reference:` section, or a KL loss or KL reward."""
+        return self.reference is not None or self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward
+
     def updates_per_step(self) -> int | None:
         """The actor's (and critic's) optimizer steps per training step, num_ppo_epochs × num_mini_batches_per_step;
         None where the config alone does not fix them (a custom workflow)."""

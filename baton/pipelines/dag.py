@@ -76,7 +76,7 @@ class DAGConfig(RLVRConfig):
             raise ConfigError("dag.executor multi_controller runs every role of a rank in its DAG worker's process; "
                               "set colocate_actor_rollout: true")
         if self.actor.strategy.lora is not None and (self.dag.executor == "multi_controller" or (
-                self.reference is None and (self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward))):
+                self.reference is None and self.needs_reference)):
             raise ConfigError("actor.strategy.lora in a workflow: its reference (the actor with the adapter off) and "
                               "the multi-controller's weight sync do not take a LoRA actor; run it on the loop "
                               "(pipeline_cls: baton.pipelines.rlvr:RLVRPipeline), or give a `reference:` section")
@@ -91,8 +91,7 @@ class DAGConfig(RLVRConfig):
 
     def graph(self) -> TaskGraph:
         if self.workflow is None:
-            return rlvr_workflow(has_reference=self.reference is not None or self.algorithm.use_kl_loss
-                                 or self.algorithm.use_kl_in_reward,
+            return rlvr_workflow(has_reference=self.needs_reference,
                                  has_critic=self.critic is not None and estimator_needs(self.algorithm.adv_estimator).critic,
                                  has_reward_model=self.reward_model is not None,
                                  has_baseline=estimator_needs(self.algorithm.adv_estimator).baseline_rollout)

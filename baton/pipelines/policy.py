@@ -11,7 +11,7 @@ from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.rl.metrics import reward_error_count, validation_set_metrics
 from baton.strategy.capabilities import shares_policy_weights, syncs_policy_adapter
 from baton.tracking.samples import Validation, batch_rows
-from baton.workers import ActorWorker, RolloutWorker
+from baton.workers import ActorWorker, BaseModelReference, ReferenceWorker, RolloutWorker
 from baton.workers.weight_sync import ModelUpdatePair, probe_batch
 
 # `Pipeline.create_clusters(..., fused=FUSED_POLICY)`: actor and rollout in one process per device.
@@ -53,10 +53,23 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
     return pair
 
 
-def reference_from_actor(actor: RoleConfig, reference: RoleConfig | None) -> bool:
-    """Whether the reference's log-probs come from the actor itself with its LoRA adapter off (`BaseModelReference`):
-    a LoRA actor whose reference is its initial model (no `reference:` section), so no second copy is built."""
-    return reference is None and actor.strategy.lora is not None
+def reference_role(config) -> tuple | None:
+    """An RLVR config's reference cluster as a role entry (worker class, role, args): its `reference:` section, else a
+    copy of the actor. None where the algorithm reads no reference, or where a LoRA actor's initial model is the
+    reference (no `reference:` section): the actor itself with its adapter off serves then (`reference_for`), so no
+    second copy of the model is built."""
+    if not config.needs_reference or (config.reference is None and config.actor.strategy.lora is not None):
+        return None
+    reference = config.reference or config.actor
+    return ReferenceWorker, reference, (reference.strategy,)
+
+
+def reference_for(config, clusters: dict):
+    """What the algorithm reads the reference's log-probs from: the reference cluster, or else (`reference_role`) the
+    actor with its LoRA adapter off (`BaseModelReference`); None where it reads none."""
+    if "reference" in clusters:
+        return clusters["reference"]
+    return BaseModelReference(clusters["actor"]) if config.needs_reference else None
 
 
 def probe_tolerance(*roles: RoleConfig) -> float:

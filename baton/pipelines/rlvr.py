@@ -17,12 +17,12 @@ from baton.datasets import PromptSampler, collate_prompts
 from baton.datasets.load import load_datasets
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig
-from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, reference_from_actor, validation
+from baton.pipelines.policy import FUSED_POLICY, connect_policy, policy_roles, reference_for, reference_role, validation
 from baton.rewards import RewardRoutes
 from baton.rl import RLAlgorithm, StaleSamplesWarning, TrainingRoles, add_model_scores, baseline_per_row
 from baton.rl.metrics import model_score_metrics, reward_error_count, reward_extra_metrics
 from baton.strategy import SamplingParams
-from baton.workers import BaseModelReference, CriticWorker, ReferenceWorker, RewardWorker
+from baton.workers import CriticWorker, RewardWorker
 
 
 class RLVRPipeline(Pipeline):
@@ -39,10 +39,8 @@ class RLVRPipeline(Pipeline):
                      config.reward.num_processes_per_worker, config.reward.timeout_s_per_row,
                      config.sampling.max_new_tokens, config.overlong_buffer.len, config.overlong_buffer.penalty_factor,
                      config.reward_kwargs))}
-        needs_reference = config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward
-        if needs_reference and not reference_from_actor(config.actor, config.reference):
-            reference = config.reference or config.actor
-            roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
+        if (reference := reference_role(config)) is not None:
+            roles["reference"] = reference
         if estimator_needs(algo.adv_estimator).critic:  # the estimator's registration says what it needs
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
         if config.reward_model is not None:
@@ -50,9 +48,7 @@ class RLVRPipeline(Pipeline):
         roles.update(self.extra_roles(config))
         clusters = self.create_clusters(roles, fused=self.fused_roles(config, roles))
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
-        self.reference, self.critic = clusters.get("reference"), clusters.get("critic")
-        if needs_reference and self.reference is None:  # a LoRA actor's initial model: itself, adapter off
-            self.reference = BaseModelReference(self.actor)
+        self.reference, self.critic = reference_for(config, clusters), clusters.get("critic")
         self.reward_model = clusters.get("reward_model")
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
                                             self.val_data, self.tokenizer)]

@@ -24,7 +24,7 @@ from baton.datasets import PromptDataset
 from baton.datasets.load import load_datasets, load_prompt_file
 from baton.pipelines.base import Pipeline
 from baton.pipelines.config import RLVRConfig, RoleConfig
-from baton.pipelines.policy import probe_tolerance, reference_from_actor
+from baton.pipelines.policy import probe_tolerance, reference_for, reference_role
 from baton.pipelines.rlvr import reward_model_role
 from baton.pipelines.time_sharing import cluster_devices, on_gpus
 from baton.rewards import RewardRoutes
@@ -41,7 +41,7 @@ from baton.rollout.producer import RolloutProducer
 from baton.rollout.publisher import WeightPublisher
 from baton.rollout.reward import GroupRewarder
 from baton.strategy.capabilities import backends_that, can_share_weights, capabilities, shares_policy_weights
-from baton.workers import ActorWorker, BaseModelReference, CriticWorker, ReferenceWorker
+from baton.workers import ActorWorker, CriticWorker
 from baton.workers.weight_sync import probe_batch
 
 # What the rollout system's reward gets by keyword beside the row's own fields (`GroupRewarder`): no uid or
@@ -124,10 +124,8 @@ class RolloutRLVRPipeline(Pipeline):
         super().__init__(config, config.trainer)
         system, algo = config.rollout_system, config.algorithm
         roles = {"actor": (ActorWorker, config.actor, (config.actor.strategy,))}
-        needs_reference = config.reference is not None or algo.use_kl_loss or algo.use_kl_in_reward
-        if needs_reference and not reference_from_actor(config.actor, config.reference):
-            reference = config.reference or config.actor
-            roles["reference"] = (ReferenceWorker, reference, (reference.strategy,))
+        if (reference := reference_role(config)) is not None:
+            roles["reference"] = reference
         if config.critic is not None:
             roles["critic"] = (CriticWorker, config.critic, (config.critic.strategy,))
         if config.reward_model is not None:
@@ -142,9 +140,8 @@ class RolloutRLVRPipeline(Pipeline):
         roles.update({name: (EngineWorker, role, (role.strategy, system.max_num_seqs_per_engine))
                       for name, role in engines.items()})
         clusters = self.create_clusters(roles, {"policy": ["actor", "rollout"]} if colocated else None)
-        self.actor, self.reference, self.critic = clusters["actor"], clusters.get("reference"), clusters.get("critic")
-        if needs_reference and self.reference is None:  # a LoRA actor's initial model: itself, adapter off
-            self.reference = BaseModelReference(self.actor)
+        self.actor, self.critic = clusters["actor"], clusters.get("critic")
+        self.reference = reference_for(config, clusters)
         self.reward_model = clusters.get("reward_model")
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
         self.algorithm = RLAlgorithm(algo, config.reward_fn)

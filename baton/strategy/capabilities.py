@@ -76,7 +76,8 @@ BACKENDS: Registry[Backend] = Registry("strategy", {
     # (scripts/setup.sh --vllm).
     "vllm": Backend("baton.engines.vllm_rollout:VLLMRollout", Capabilities(
         trains=False, devices_per_worker=True, filtered_log_probs=True, takes_engine_kwargs=True,
-        serves_lora_adapters=True, engine="baton.engines.vllm_rollout:serve", check_installed="baton.engines.vllm_rollout:require_vllm")),
+        serves_lora_adapters=True, engine="baton.engines.vllm_rollout:serve",
+        check_installed="baton.engines.vllm_rollout:require_vllm")),
 })
 
 
