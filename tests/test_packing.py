@@ -166,3 +166,20 @@ def test_packed_forward_matches_the_padded_one(batch, kind):
                                       max_tokens_per_microbatch=40)).forward(batch) for packing in (False, True)]
     for key in outs[0].batch.keys():
         torch.testing.assert_close(outs[1].batch[key][mask], outs[0].batch[key][mask], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_one_pass_calls_the_decoder_once_whatever_the_rows(batch, monkeypatch):
+    """A model sharded over ranks (fsdp2) gathers each layer's weights at each call, so every rank must call the
+    decoder alike: `one_pass` takes neither the prompt-sharing pass (two calls) nor a pass per packed bin."""
+    monkeypatch.setattr(packing_module, "SEPARATE_BINS_FROM", 1)
+    model = build_model("tiny-qwen2", seed=0)
+    calls = []
+    model.get_decoder().register_forward_hook(lambda *args: calls.append(1))
+    data = batch.batch
+    grouped = {k: v.repeat_interleave(4, dim=0)[:8] for k, v in data.items()}  # 2 prompts x 4 samples: shared
+    for columns, packing in ((grouped, False), (data, True)):
+        for one_pass in (False, True):
+            calls.clear()
+            response_hidden_states(model, columns["input_ids"], columns["attention_mask"], columns["position_ids"],
+                                   columns["responses"].shape[1], packing=packing, one_pass=one_pass)
+            assert len(calls) == 1 if one_pass else len(calls) > 1, (packing, one_pass, len(calls))

@@ -46,6 +46,9 @@ class Fsdp2Strategy(TorchStrategy):
         compute_dtype = self.config.mixed_precision_dtype
         policy = MixedPrecisionPolicy() if compute_dtype is None else MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # Each layer gathers its weights at each call, so every rank must call the decoder alike: once per micro-batch
+        # whatever its rows (no prompt-sharing pass, no pass per packed bin), or ranks would pair unlike collectives.
+        module.one_pass = self.world_size > 1
         for layer in module.model.base_model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(module, mp_policy=policy)

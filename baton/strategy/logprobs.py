@@ -43,7 +43,8 @@ def cache_argument(model) -> str:
 
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           position_ids: torch.Tensor | None, response_len: int, packing: bool = False) -> torch.Tensor:
+                           position_ids: torch.Tensor | None, response_len: int, packing: bool = False,
+                           one_pass: bool = False) -> torch.Tensor:
     """Hidden states at the positions that predict each response token: [rows, response_len, hidden].
 
     The columns before the last `response_len` are the prompt. Three ways to compute them, the one that runs the
@@ -52,6 +53,8 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     values, gradients flow back through the gather, and only the response tokens run per row); or, with `packing`,
     one pass over the rows' real tokens packed into bins (`baton.strategy.packing`). All three give the same values
     at the real tokens up to float rounding (padding positions: whatever the pass gives, zeros when packed).
+    `one_pass`: the decoder runs exactly once (no prompt-sharing, no pass per packed bin), as a model sharded over
+    ranks needs: FSDP2 gathers each layer's weights at each call, and every rank must make the same calls.
     """
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
@@ -65,10 +68,10 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     # epochs meet) is not worth the second pass. Gradient checkpointing turns the KV cache off in
     # training, so it takes the full pass.
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    shared = prompt_len > 0 and 2 * len(distinct) <= rows and not checkpointing
+    shared = prompt_len > 0 and 2 * len(distinct) <= rows and not checkpointing and not one_pass
     padded_cost = len(distinct) * prompt_len + rows * response_len if shared else rows * seq_len
     if packing and prompt_len > 0:
-        plan = plan_packing(attention_mask)
+        plan = plan_packing(attention_mask, one_pass)
         if plan.cost < padded_cost:
             return packed_response_hidden_states(decoder, input_ids, attention_mask, position_ids, response_len, plan)
     if not shared:
@@ -225,6 +228,7 @@ class RLHead(torch.nn.Module):
         self.kind = kind
         self.chunk_size = chunk_size
         self.packing = resolve_packing(packing, model)  # see `response_hidden_states`
+        self.one_pass = False  # set by a strategy that shards the model over ranks (`response_hidden_states`)
 
     def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
                 with_entropy: bool = True, entropy_grad: bool = True, log_probs_at: torch.Tensor | None = None,
@@ -237,9 +241,10 @@ class RLHead(torch.nn.Module):
                 return {"values": logits[:, -response_len - 1 : -1, 0].float()}
             # No dropout before the head: build_role_model sets classifier_dropout 0.
             hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len,
-                                            self.packing)
+                                            self.packing, self.one_pass)
             return {"values": score(hidden)[..., 0].float()}
-        hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len, self.packing)
+        hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len, self.packing,
+                                        self.one_pass)
         lm_head = self.model.get_output_embeddings()
         # Only the real response tokens go through the LM head, as one row: a padding position's outputs are never
         # read, and at a real vocabulary the head costs more than several layers. Padding positions get zeros.

@@ -53,12 +53,7 @@ class Packing:
     num_bins: int
     length: int
     fills: list[int]  # each bin's used slots, from its first
-
-    @property
-    def separate(self) -> bool:
-        """Long bins run one pass each at their own fill (no padding at all); short ones as one batch, where a pass
-        per bin would cost more in calls than the padding it saves."""
-        return self.length >= SEPARATE_BINS_FROM
+    separate: bool  # one pass per bin at its own fill (`plan_packing`), else one batched pass
 
     @property
     def cost(self) -> int:
@@ -66,8 +61,10 @@ class Packing:
         return sum(self.fills) if self.separate else self.num_bins * self.length
 
 
-def plan_packing(attention_mask: torch.Tensor) -> Packing:
-    """Bins as long as the longest row, filled first fit with the longest rows first."""
+def plan_packing(attention_mask: torch.Tensor, one_pass: bool = False) -> Packing:
+    """Bins as long as the longest row, filled first fit with the longest rows first. Bins of `SEPARATE_BINS_FROM`
+    tokens or more run one pass each at their own fill (no padding at all), shorter ones one batched pass, where a
+    pass per bin would cost more in calls than the padding it saves; `one_pass`: always one batched pass."""
     real = attention_mask.bool()
     lengths = real.sum(-1).tolist()
     length = max(max(lengths, default=0), 1)
@@ -85,7 +82,8 @@ def plan_packing(attention_mask: torch.Tensor) -> Packing:
     offset_in_row = real.long().cumsum(-1)[rows, columns] - 1
     bins = torch.tensor(bin_of_row, device=device, dtype=torch.long)[rows]
     slots = torch.tensor(start_of_row, device=device, dtype=torch.long)[rows] + offset_in_row
-    return Packing(rows, columns, bins, slots, max(len(free), 1), length, [length - room for room in free] or [0])
+    return Packing(rows, columns, bins, slots, max(len(free), 1), length, [length - room for room in free] or [0],
+                   separate=length >= SEPARATE_BINS_FROM and not one_pass)
 
 
 def packed_mask(packing: Packing, dtype: torch.dtype | None) -> torch.Tensor:
