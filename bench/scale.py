@@ -14,7 +14,10 @@ its resident memory passes `--mem-cap-gib`, so one side's failure is a figure, n
     lora     baton's side with LoRA (rank 16) on the projections    -> lora_memory_ratio_vs_full
     tokens_N packed + checkpointing, one micro-batch of N tokens     -> bytes_per_token_per_layer
 
-Memory is each process's peak resident set; `step_extra_mib` is what the measured update needed above the process's
+Memory is each process's peak resident set; glibc's malloc runs with a fixed mmap threshold (`--mmap-threshold`, 1 MiB:
+a freed tensor's pages go back to the system, so the resident set follows the tensors, not what the allocator kept
+from earlier ones; 0 keeps glibc's own, sliding threshold, whose retention adds 0.5-1 GB per side here and varies run
+to run). `step_extra_mib` is what the measured update needed above the process's
 memory just before it (a first, tiny update has already allocated gradients and AdamW state). `mfu_vs_matmul` is the
 packed side's model FLOP/s (6 x parameters x tokens, attention included, recomputation not) over this machine's
 float32 matmul FLOP/s measured at the start of the same run.
@@ -85,7 +88,7 @@ def model_spec(args) -> dict:
 
 def side_configs(args) -> dict[str, dict]:
     """Each side's StrategyConfig settings, and its batch: the trace batch, or one micro-batch of N tokens."""
-    common = {"micro_batch_size_per_worker": args.micro_rows, "logprob_chunk_size": 1024}
+    common = {"micro_batch_size_per_worker": args.micro_rows}  # log-prob chunks of the default size
     sides = {
         "padded": {**common, "packing": False},
         "packed": {**common, "packing": True},
@@ -95,8 +98,8 @@ def side_configs(args) -> dict[str, dict]:
                  "lora": {"rank": 16, "alpha": 32}},
     }
     for tokens in args.scaling_tokens:
-        sides[f"tokens_{tokens}"] = {"packing": True, "gradient_checkpointing": True, "logprob_chunk_size": 1024,
-                                     "micro_batch_size_per_worker": None, "tokens": tokens}
+        sides[f"tokens_{tokens}"] = {"packing": True, "gradient_checkpointing": True, "micro_batch_size_per_worker": None,
+                                     "tokens": tokens}
     return sides
 
 
@@ -175,7 +178,10 @@ def spawn_side(name: str, settings: dict, args) -> dict:
 
     command = [sys.executable, os.path.abspath(__file__), "--side", name, "--side-settings", json.dumps(settings),
                *args.passthrough]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if args.mmap_threshold:  # read by glibc's malloc when the process starts
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     process, cap, peak = psutil.Process(child.pid), args.mem_cap_gib * 2 ** 30, 0
     while child.poll() is None:
         try:
@@ -210,6 +216,8 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=None, help="longest response (default 4,096; quick: 256)")
     parser.add_argument("--micro-rows", type=int, default=4, help="rows per micro-batch of the trace-batch sides")
     parser.add_argument("--mem-cap-gib", type=float, default=16.0, help="a side past this resident memory is killed")
+    parser.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                        help="glibc malloc's mmap threshold in the sides' processes, bytes (0: glibc's default)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per side (default: torch's)")
     parser.add_argument("--sides", default=None, help="comma-separated names of the sides to run (default: all)")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # the child process of one side (`spawn_side`)
@@ -257,7 +265,7 @@ def main() -> int:
                  / max(sum((x - mean_x) ** 2 for x, _ in scaling), 1e-9))
     packed = sides["packed"]
     figures = {
-        "quick": args.quick, "layers": args.layers, "vocab": args.vocab or 151936, "rows": args.rows,
+        "quick": args.quick, "mmap_threshold": args.mmap_threshold, "layers": args.layers, "vocab": args.vocab or 151936, "rows": args.rows,
         "lengths": lengths, "matmul_flops_per_s": matmul, "sides": sides,
         "packed_vs_padded_tokens_per_s": ratio(packed, sides["padded"], "tokens_per_s"),
         "memory_ratio_vs_naive": ratio(sides["baton"], sides["naive"], "peak_rss_mib"),

@@ -65,7 +65,7 @@ def test_strategy_config_from_nested_dict_with_tuple_betas_from_yaml(tmp_path):
     assert isinstance(config.optimizer.betas, tuple) and isinstance(config.optimizer.weight_decay, float)
     assert config.scheduler == SchedulerConfig(name="cosine", warmup_steps=10, total_steps=100)
     assert config.grad_clip is None
-    assert config.micro_batch_size_per_worker is None and config.logprob_chunk_size == 1024  # defaults kept
+    assert config.micro_batch_size_per_worker is None and config.logprob_chunk_size is None  # defaults kept
 
 
 def test_str_or_dict_union_takes_either():

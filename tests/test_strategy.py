@@ -7,9 +7,12 @@ recomputed from the plain transformers model. Checkpoints are in test_checkpoint
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from baton.data import DataProto
 from baton.strategy import (
@@ -554,3 +557,69 @@ def test_entropy_as_a_metric_has_the_same_value_and_no_gradient():
     torch.testing.assert_close(lp_value, lp_grad)
     torch.testing.assert_close(ent_value, ent_grad)
     assert ent_grad.requires_grad and not ent_value.requires_grad and lp_value.requires_grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy,entropy_grad", [(True, True), (True, False), (False, False)])
+def test_chunked_log_prob_gradients_match_the_full_softmax(temperature, with_entropy, entropy_grad):
+    """The chunk's hand-written backward (`_ChunkLogProbs`) against autograd through the plain expressions, float64,
+    for the hidden states and the (tied) LM head weight; the entropy's gradient only where it is asked for."""
+    from baton.strategy.logprobs import token_log_probs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11, bias=False)
+    tokens = torch.randint(0, 11, (2, 5))
+    lp_weight, ent_weight = torch.randn(2, 5), torch.randn(2, 5)
+    log_probs, entropy = token_log_probs(hidden, head, tokens, temperature, chunk_size=3, with_entropy=with_entropy,
+                                         entropy_grad=entropy_grad)
+    loss = (log_probs * lp_weight).sum() + ((entropy * ent_weight).sum() if entropy_grad else 0)
+    grads = torch.autograd.grad(loss, (hidden, head.weight))
+
+    log_softmax = torch.log_softmax(hidden.double() @ head.weight.double().T / temperature, -1)
+    expected_lp = log_softmax.gather(-1, tokens[..., None])[..., 0]
+    expected_ent = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else torch.zeros(2, 5)
+    expected_loss = (expected_lp * lp_weight).sum() + ((expected_ent * ent_weight).sum() if entropy_grad else 0)
+    expected = torch.autograd.grad(expected_loss, (hidden, head.weight))
+    torch.testing.assert_close(log_probs.double(), expected_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy.double(), expected_ent.double(), atol=1e-6, rtol=0)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=1e-5)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors that ops made while this mode was on (their storages, each once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self.live:
+                key, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+                self.live[key] = size
+                self.now += size
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(tensor, self._free, key)
+        return out
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+
+def test_the_log_prob_backward_holds_two_chunks_of_logits_at_most():
+    """Peak memory of the LM head's forward and backward, in units of one chunk's float32 logits [chunk, vocab]:
+    the hand-written backward holds the recomputed log-softmax and the logits' gradient (2, plus the head's gradient:
+    0.5 here); autograd through the plain expressions, checkpointed per chunk, held 4.6."""
+    from baton.strategy.logprobs import chunk_tokens, token_log_probs
+
+    vocab, tokens, chunk = 1000, 64, 16
+    hidden = torch.randn(1, tokens, 8, requires_grad=True)
+    head = torch.nn.Linear(8, vocab, bias=False)
+    with LiveBytes() as memory:
+        log_probs, entropy = token_log_probs(hidden, head, torch.randint(0, vocab, (1, tokens)), chunk_size=chunk)
+        (log_probs.sum() + entropy.sum()).backward()
+    assert memory.peak / (chunk * vocab * 4) < 3
+    assert chunk_tokens(151_936) == 441 and chunk_tokens(32_000) == 1024  # 256 MiB of float32 logits at most

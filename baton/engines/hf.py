@@ -44,7 +44,7 @@ class HFEngine(ServingLoop):
     """
 
     def __init__(self, model, tokenizer, *, seed: int = 0, max_num_seqs: int = 256,
-                 compute_dtype: torch.dtype | None = None, logprob_chunk_size: int = 1024):
+                 compute_dtype: torch.dtype | None = None, logprob_chunk_size: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.model = model.eval()

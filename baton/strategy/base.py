@@ -116,7 +116,9 @@ class StrategyConfig:
     micro_batch_size_per_worker / max_tokens_per_microbatch: split each worker's batch for
         gradient accumulation by row count, or greedily by a token budget; at most one of them.
     logprob_chunk_size: tokens per chunk when turning hidden states into log-probs, so a full
-        vocabulary float32 log-softmax never exists for the whole batch.
+        vocabulary float32 log-softmax never exists for the whole batch. None (the default) takes as many tokens as
+        keep one chunk's float32 logits within 256 MiB, at most 1,024 (`baton.strategy.logprobs.chunk_tokens`: 1,024
+        up to a vocabulary of 65,536, 441 at Qwen2.5's 151,936).
     trim_padding: run the model on each micro-batch without the columns that are padding in all its rows
         (`baton.strategy.padding`): a micro-batch of short rows cut from a batch padded to a long one costs
         only its own length. Outputs at the real tokens are those of the padded micro-batch up to float
@@ -151,7 +153,7 @@ class StrategyConfig:
     micro_batch_size_per_worker: int | None = None
     max_tokens_per_microbatch: int | None = None
     gradient_checkpointing: bool = False
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int | None = None  # None: by the vocabulary (see above)
     trim_padding: bool = True
     packing: bool | None = None  # None: packed where the model's attention keeps rows apart (see `baton.strategy.packing`)
     lora: LoraConfig | None = None  # None: full fine-tuning

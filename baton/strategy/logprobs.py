@@ -112,15 +112,59 @@ def _check_no_bias(lm_head: torch.nn.Module) -> None:
         raise ValueError("token log-probs support LM heads without bias (true of Qwen2, Llama and most causal LMs)")
 
 
-def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,
-                     with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    all_log_probs = _chunk_log_softmax(hidden, weight, inv_temperature)  # one fused pass; reused by the entropy
-    log_probs = all_log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return log_probs, torch.zeros_like(log_probs)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
-    return log_probs, entropy
+class _ChunkLogProbs(torch.autograd.Function):
+    """One chunk's token log-probs and entropy, holding at most two [tokens, vocab] float32 tensors at a time.
+
+    The forward pass keeps no logits; the backward pass recomputes them once and writes the logits' gradient in
+    place: d log p(y) / dz = onehot(y) - p and d H / dz = -p (log p + H), scaled by the inverse temperature. The
+    matmul runs in the dtype the forward pass gave it (bf16 under autocast, as `_chunk_log_softmax`), the softmax in
+    float32. The autograd graph of the plain expressions holds three to four such tensors per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, inv_temperature: float, with_entropy: bool, entropy_grad: bool):
+        product = hidden @ weight.T
+        ctx.matmul_dtype, ctx.inv_temperature = product.dtype, inv_temperature
+        log_p = _log_softmax_(product.float(), inv_temperature)
+        del product
+        log_probs = log_p.gather(-1, tokens[:, None])[:, 0]
+        entropy = log_p.exp().mul_(log_p).sum(-1).neg_() if with_entropy else torch.zeros_like(log_probs)
+        if not (with_entropy and entropy_grad):
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, tokens, entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, tokens, entropy = ctx.saved_tensors
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        h, w = hidden.to(ctx.matmul_dtype), weight.to(ctx.matmul_dtype)
+        log_p = _log_softmax_((h @ w.T).float(), ctx.inv_temperature)
+        grad = log_p.exp()  # p
+        if grad_entropy is not None:  # log_p becomes the entropy's part: -g_H p (log p + H)
+            log_p.add_(entropy[:, None]).mul_(grad).mul_(-grad_entropy[:, None])
+        if grad_log_probs is None:
+            grad = log_p
+        else:  # g_lp (onehot(y) - p), plus the entropy's part
+            grad.mul_(-grad_log_probs[:, None]).scatter_add_(-1, tokens[:, None], grad_log_probs[:, None])
+            if grad_entropy is not None:
+                grad.add_(log_p)
+        del log_p
+        if ctx.inv_temperature != 1.0:
+            grad.mul_(ctx.inv_temperature)
+        grad = grad.to(ctx.matmul_dtype)
+        grad_hidden = (grad @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ h).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _log_softmax_(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """The log-softmax of float32 `logits` at the inverse temperature, in place."""
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
+    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
 
 
 def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
@@ -140,12 +184,9 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
     out_lp, out_ent = [], []
     for start in range(0, rows * length, chunk_size):
-        args = (flat_hidden[start : start + chunk_size], lm_head.weight, flat_tokens[start : start + chunk_size],
-                inv_temperature, with_entropy, entropy_grad)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_log_probs(*args)
+        lp, ent = _ChunkLogProbs.apply(flat_hidden[start : start + chunk_size], lm_head.weight,
+                                       flat_tokens[start : start + chunk_size], inv_temperature, with_entropy,
+                                       entropy_grad)
         out_lp.append(lp)
         out_ent.append(ent)
     if not out_lp:
@@ -226,7 +267,7 @@ class RLHead(torch.nn.Module):
         super().__init__()
         self.model = model
         self.kind = kind
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size or chunk_tokens(model.config.vocab_size)
         self.packing = resolve_packing(packing, model)  # see `response_hidden_states`
         self.one_pass = False  # set by a strategy that shards the model over ranks (`response_hidden_states`)
 
@@ -260,6 +301,12 @@ class RLHead(torch.nn.Module):
             out["log_probs_at"] = at_rows(token_log_probs_at(hidden, lm_head, log_probs_at[real][None], temperature,
                                                              self.chunk_size), real)
         return out
+
+
+def chunk_tokens(vocab_size: int, budget: int = 1 << 26, most: int = 1024) -> int:
+    """Tokens per log-prob chunk: as many as keep one chunk's float32 logits [tokens, vocab] within `budget` values
+    (256 MiB), at most `most`. The backward pass holds two such tensors (`_ChunkLogProbs`)."""
+    return max(1, min(most, budget // vocab_size))
 
 
 def at_rows(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
