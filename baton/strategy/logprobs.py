@@ -112,25 +112,35 @@ def _check_no_bias(lm_head: torch.nn.Module) -> None:
         raise ValueError("token log-probs support LM heads without bias (true of Qwen2, Llama and most causal LMs)")
 
 
-class _ChunkLogProbs(torch.autograd.Function):
-    """One chunk's token log-probs and entropy, holding at most two [tokens, vocab] float32 tensors at a time.
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Token log-probs and entropy, `chunk_size` tokens at a time, holding at most two [chunk, vocab] float32 tensors
+    and one gradient of the LM head's weight.
 
-    The forward pass keeps no logits; the backward pass recomputes them once and writes the logits' gradient in
+    The forward pass keeps no logits; the backward pass recomputes each chunk's once and writes their gradient in
     place: d log p(y) / dz = onehot(y) - p and d H / dz = -p (log p + H), scaled by the inverse temperature. The
-    matmul runs in the dtype the forward pass gave it (bf16 under autocast, as `_chunk_log_softmax`), the softmax in
-    float32. The autograd graph of the plain expressions holds three to four such tensors per chunk.
+    chunks' gradients of the weight go into one buffer (autograd through the plain expressions, a function per chunk,
+    holds three to four [chunk, vocab] tensors per chunk and sums the weight's gradients out of place: three weights'
+    worth at Qwen2.5's vocabulary). The matmul runs in the dtype the forward pass gave it (bf16 under autocast, as
+    `_chunk_log_softmax`), the softmax in float32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, inv_temperature: float, with_entropy: bool, entropy_grad: bool):
-        product = hidden @ weight.T
-        ctx.matmul_dtype, ctx.inv_temperature = product.dtype, inv_temperature
-        log_p = _log_softmax_(product.float(), inv_temperature)
-        del product
-        log_probs = log_p.gather(-1, tokens[:, None])[:, 0]
-        entropy = log_p.exp().mul_(log_p).sum(-1).neg_() if with_entropy else torch.zeros_like(log_probs)
+    def forward(ctx, hidden, weight, tokens, chunk_size: int, inv_temperature: float, with_entropy: bool,
+                entropy_grad: bool):
+        log_probs, entropies = [], []
+        for start in range(0, tokens.shape[0], chunk_size):
+            product = hidden[start : start + chunk_size] @ weight.T
+            ctx.matmul_dtype = product.dtype
+            log_p = _log_softmax_(product.float(), inv_temperature)
+            del product
+            log_probs.append(log_p.gather(-1, tokens[start : start + chunk_size, None])[:, 0])
+            if with_entropy:
+                entropies.append(log_p.exp().mul_(log_p).sum(-1).neg_())
+        log_probs = torch.cat(log_probs)
+        entropy = torch.cat(entropies) if with_entropy else torch.zeros_like(log_probs)
         if not (with_entropy and entropy_grad):
             ctx.mark_non_differentiable(entropy)
+        ctx.chunk_size, ctx.inv_temperature = chunk_size, inv_temperature
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, tokens, entropy)
         return log_probs, entropy
@@ -139,25 +149,38 @@ class _ChunkLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, tokens, entropy = ctx.saved_tensors
         if grad_log_probs is None and grad_entropy is None:
-            return None, None, None, None, None, None
-        h, w = hidden.to(ctx.matmul_dtype), weight.to(ctx.matmul_dtype)
-        log_p = _log_softmax_((h @ w.T).float(), ctx.inv_temperature)
-        grad = log_p.exp()  # p
-        if grad_entropy is not None:  # log_p becomes the entropy's part: -g_H p (log p + H)
-            log_p.add_(entropy[:, None]).mul_(grad).mul_(-grad_entropy[:, None])
-        if grad_log_probs is None:
-            grad = log_p
-        else:  # g_lp (onehot(y) - p), plus the entropy's part
-            grad.mul_(-grad_log_probs[:, None]).scatter_add_(-1, tokens[:, None], grad_log_probs[:, None])
-            if grad_entropy is not None:
-                grad.add_(log_p)
-        del log_p
-        if ctx.inv_temperature != 1.0:
-            grad.mul_(ctx.inv_temperature)
-        grad = grad.to(ctx.matmul_dtype)
-        grad_hidden = (grad @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.T @ h).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None
+            return None, None, None, None, None, None, None
+        dtype, chunk = ctx.matmul_dtype, ctx.chunk_size
+        w = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for start in range(0, tokens.shape[0], chunk):
+            end = start + chunk
+            h = hidden[start:end].to(dtype)
+            log_p = _log_softmax_((h @ w.T).float(), ctx.inv_temperature)
+            grad = log_p.exp()  # p
+            if grad_entropy is not None:  # log_p becomes the entropy's part: -g_H p (log p + H)
+                log_p.add_(entropy[start:end, None]).mul_(grad).mul_(-grad_entropy[start:end, None])
+            if grad_log_probs is None:
+                grad = log_p
+            else:  # g_lp (onehot(y) - p), plus the entropy's part
+                g = grad_log_probs[start:end, None]
+                grad.mul_(-g).scatter_add_(-1, tokens[start:end, None], g)
+                if grad_entropy is not None:
+                    grad.add_(log_p)
+            del log_p
+            if ctx.inv_temperature != 1.0:
+                grad.mul_(ctx.inv_temperature)
+            grad = grad.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ w
+            if grad_weight is not None:
+                if grad_weight.dtype == dtype:
+                    grad_weight.addmm_(grad.T, h)
+                else:
+                    grad_weight.add_(grad.T @ h)
+            del grad  # before the next chunk's logits
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _log_softmax_(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -182,17 +205,12 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
     flat_hidden = hidden.reshape(rows * length, -1)
     flat_tokens = tokens.reshape(-1)
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
-    out_lp, out_ent = [], []
-    for start in range(0, rows * length, chunk_size):
-        lp, ent = _ChunkLogProbs.apply(flat_hidden[start : start + chunk_size], lm_head.weight,
-                                       flat_tokens[start : start + chunk_size], inv_temperature, with_entropy,
-                                       entropy_grad)
-        out_lp.append(lp)
-        out_ent.append(ent)
-    if not out_lp:
+    if rows * length == 0:
         empty = flat_hidden.new_zeros(0, dtype=torch.float32)
         return empty.reshape(rows, length), empty.reshape(rows, length)
-    return torch.cat(out_lp).reshape(rows, length), torch.cat(out_ent).reshape(rows, length)
+    log_probs, entropy = _ChunkedLogProbs.apply(flat_hidden, lm_head.weight, flat_tokens, chunk_size, inv_temperature,
+                                                with_entropy, entropy_grad)
+    return log_probs.reshape(rows, length), entropy.reshape(rows, length)
 
 
 def _chunk_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
@@ -305,7 +323,7 @@ class RLHead(torch.nn.Module):
 
 def chunk_tokens(vocab_size: int, budget: int = 1 << 26, most: int = 1024) -> int:
     """Tokens per log-prob chunk: as many as keep one chunk's float32 logits [tokens, vocab] within `budget` values
-    (256 MiB), at most `most`. The backward pass holds two such tensors (`_ChunkLogProbs`)."""
+    (256 MiB), at most `most`. The backward pass holds two such tensors (`_ChunkedLogProbs`)."""
     return max(1, min(most, budget // vocab_size))
 
 
