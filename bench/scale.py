@@ -98,8 +98,8 @@ def side_configs(args) -> dict[str, dict]:
                  "lora": {"rank": 16, "alpha": 32}},
     }
     for tokens in args.scaling_tokens:
-        sides[f"tokens_{tokens}"] = {"packing": True, "gradient_checkpointing": True, "micro_batch_size_per_worker": None,
-                                     "tokens": tokens}
+        sides[f"tokens_{tokens}"] = {"packing": True, "gradient_checkpointing": True,
+                                     "micro_batch_size_per_worker": None, "tokens": tokens}
     return sides
 
 
@@ -265,7 +265,8 @@ def main() -> int:
                  / max(sum((x - mean_x) ** 2 for x, _ in scaling), 1e-9))
     packed = sides["packed"]
     figures = {
-        "quick": args.quick, "mmap_threshold": args.mmap_threshold, "layers": args.layers, "vocab": args.vocab or 151936, "rows": args.rows,
+        "quick": args.quick, "mmap_threshold": args.mmap_threshold,
+        "layers": args.layers, "vocab": args.vocab or 151936, "rows": args.rows,
         "lengths": lengths, "matmul_flops_per_s": matmul, "sides": sides,
         "packed_vs_padded_tokens_per_s": ratio(packed, sides["padded"], "tokens_per_s"),
         "memory_ratio_vs_naive": ratio(sides["baton"], sides["naive"], "peak_rss_mib"),

@@ -157,21 +157,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, tokens.shape[0], chunk):
             end = start + chunk
             h = hidden[start:end].to(dtype)
-            log_p = _log_softmax_((h @ w.T).float(), ctx.inv_temperature)
-            grad = log_p.exp()  # p
-            if grad_entropy is not None:  # log_p becomes the entropy's part: -g_H p (log p + H)
-                log_p.add_(entropy[start:end, None]).mul_(grad).mul_(-grad_entropy[start:end, None])
-            if grad_log_probs is None:
-                grad = log_p
-            else:  # g_lp (onehot(y) - p), plus the entropy's part
-                g = grad_log_probs[start:end, None]
-                grad.mul_(-g).scatter_add_(-1, tokens[start:end, None], g)
-                if grad_entropy is not None:
-                    grad.add_(log_p)
-            del log_p
-            if ctx.inv_temperature != 1.0:
-                grad.mul_(ctx.inv_temperature)
-            grad = grad.to(dtype)
+            grad = logits_grad_(_log_softmax_((h @ w.T).float(), ctx.inv_temperature), tokens[start:end],
+                                slice_or_none(grad_log_probs, start, end), slice_or_none(grad_entropy, start, end),
+                                entropy[start:end], ctx.inv_temperature).to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ w
             if grad_weight is not None:
@@ -181,6 +169,34 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     grad_weight.add_(grad.T @ h)
             del grad  # before the next chunk's logits
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def logits_grad_(log_p: torch.Tensor, tokens: torch.Tensor, grad_log_probs: torch.Tensor | None,
+                 grad_entropy: torch.Tensor | None, entropy: torch.Tensor, inv_temperature: float,
+                 in_shard: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of the pre-temperature logits [tokens, vocab] (float32), made in `log_p`'s memory and one more
+    tensor like it: g_lp (onehot(y) - p) - g_H p (log p + H), times the inverse temperature. `log_p`: the log-softmax
+    over (this shard of) the vocabulary, consumed; `tokens`: each position's token as an index into it; `entropy` H:
+    of the whole vocabulary. A shard of the vocabulary passes `in_shard` (1.0 where it holds the token, else 0.0):
+    onehot(y) is zero on the others."""
+    grad = log_p.exp()  # p
+    if grad_entropy is not None:  # log_p becomes the entropy's part: -g_H p (log p + H)
+        log_p.add_(entropy[:, None]).mul_(grad).mul_(-grad_entropy[:, None])
+    if grad_log_probs is None:
+        grad = log_p
+    else:  # g_lp (onehot(y) - p), plus the entropy's part
+        g = grad_log_probs[:, None]
+        grad.mul_(-g).scatter_add_(-1, tokens[:, None], g if in_shard is None else g * in_shard[:, None])
+        if grad_entropy is not None:
+            grad.add_(log_p)
+    if inv_temperature != 1.0:
+        grad.mul_(inv_temperature)
+    return grad
+
+
+def slice_or_none(values: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """values[start:end], or None for None (a gradient autograd did not materialise)."""
+    return None if values is None else values[start:end]
 
 
 def _log_softmax_(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
