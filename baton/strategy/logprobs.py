@@ -131,11 +131,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, tokens.shape[0], chunk_size):
             product = hidden[start : start + chunk_size] @ weight.T
             ctx.matmul_dtype = product.dtype
-            log_p = _log_softmax_(product.float(), inv_temperature)
+            log_p = _log_softmax(product.float(), inv_temperature)
             del product
             log_probs.append(log_p.gather(-1, tokens[start : start + chunk_size, None])[:, 0])
             if with_entropy:
                 entropies.append(log_p.exp().mul_(log_p).sum(-1).neg_())
+            del log_p  # before the next chunk's logits
         log_probs = torch.cat(log_probs)
         entropy = torch.cat(entropies) if with_entropy else torch.zeros_like(log_probs)
         if not (with_entropy and entropy_grad):
@@ -157,7 +158,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, tokens.shape[0], chunk):
             end = start + chunk
             h = hidden[start:end].to(dtype)
-            grad = logits_grad_(_log_softmax_((h @ w.T).float(), ctx.inv_temperature), tokens[start:end],
+            grad = logits_grad_(_log_softmax((h @ w.T).float(), ctx.inv_temperature), tokens[start:end],
                                 slice_or_none(grad_log_probs, start, end), slice_or_none(grad_entropy, start, end),
                                 entropy[start:end], ctx.inv_temperature).to(dtype)
             if grad_hidden is not None:
@@ -199,11 +200,13 @@ def slice_or_none(values: torch.Tensor | None, start: int, end: int) -> torch.Te
     return None if values is None else values[start:end]
 
 
-def _log_softmax_(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-    """The log-softmax of float32 `logits` at the inverse temperature, in place."""
+def _log_softmax(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """The log-softmax of float32 `logits` (scaled in place) at the inverse temperature. torch's log_softmax works
+    row by row, so a token's log-prob does not depend on the other rows of its chunk (a logsumexp reduction may split
+    a row over threads when the rows are few, and round differently with the batch's shape)."""
     if inv_temperature != 1.0:
         logits.mul_(inv_temperature)
-    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+    return torch.log_softmax(logits, dim=-1)
 
 
 def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,

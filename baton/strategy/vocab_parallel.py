@@ -48,6 +48,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if with_entropy:
                 entropies.append(reduced[1])
             normalisers.append(normaliser)
+            del logits, log_p  # before the next chunk's logits
         log_probs = torch.cat(log_probs)
         entropy = torch.cat(entropies) if with_entropy else torch.zeros_like(log_probs)
         if not (with_entropy and entropy_grad):
