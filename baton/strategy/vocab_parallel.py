@@ -67,7 +67,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         dtype, chunk = ctx.matmul_dtype, ctx.chunk_size
         local_tokens, in_shard = _local_tokens(tokens, ctx.vocab_start, weight.shape[0])
         w = weight.to(dtype)
-        grad_hidden = hidden.new_zeros(hidden.shape, dtype=dtype) if ctx.needs_input_grad[0] else None
+        # float32 whatever the matmul's dtype: the shards' parts are summed over the group
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, tokens.shape[0], chunk):
             end = start + chunk
