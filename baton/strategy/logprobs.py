@@ -161,13 +161,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad = logits_grad_(_log_softmax((h @ w.T).float(), ctx.inv_temperature), tokens[start:end],
                                 slice_or_none(grad_log_probs, start, end), slice_or_none(grad_entropy, start, end),
                                 entropy[start:end], ctx.inv_temperature).to(dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ w
-            if grad_weight is not None:
-                if grad_weight.dtype == dtype:
-                    grad_weight.addmm_(grad.T, h)
-                else:
-                    grad_weight.add_(grad.T @ h)
+            add_head_grads_(grad, h, w, grad_hidden, grad_weight, start)
             del grad  # before the next chunk's logits
         return grad_hidden, grad_weight, None, None, None, None, None
 
@@ -193,6 +187,19 @@ def logits_grad_(log_p: torch.Tensor, tokens: torch.Tensor, grad_log_probs: torc
     if inv_temperature != 1.0:
         grad.mul_(inv_temperature)
     return grad
+
+
+def add_head_grads_(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grad_hidden: torch.Tensor | None,
+                    grad_weight: torch.Tensor | None, start: int) -> None:
+    """One chunk's logits' gradient `grad` [tokens, vocab] (the matmul's dtype) into the hidden states' gradient (its
+    rows from `start`) and added to the head weight's (one buffer for every chunk); None: not wanted."""
+    if grad_hidden is not None:
+        grad_hidden[start : start + grad.shape[0]] = grad @ w
+    if grad_weight is not None:
+        if grad_weight.dtype == grad.dtype:
+            grad_weight.addmm_(grad.T, h)
+        else:
+            grad_weight.add_(grad.T @ h)
 
 
 def slice_or_none(values: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baton.strategy.logprobs import logits_grad_, slice_or_none
+from baton.strategy.logprobs import add_head_grads_, logits_grad_, slice_or_none
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -80,13 +80,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                                 slice_or_none(grad_log_probs, start, end), slice_or_none(grad_entropy, start, end),
                                 entropy[start:end], ctx.inv_temperature, in_shard[start:end]).to(dtype)
             del logits
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ w
-            if grad_weight is not None:
-                if grad_weight.dtype == dtype:
-                    grad_weight.addmm_(grad.T, h)
-                else:
-                    grad_weight.add_(grad.T @ h)
+            add_head_grads_(grad, h, w, grad_hidden, grad_weight, start)
             del grad
         if grad_hidden is not None:
             dist.all_reduce(grad_hidden, group=ctx.group)  # every shard's part of d loss / d hidden
