@@ -16,7 +16,7 @@ its resident memory passes `--mem-cap-gib`, so one side's failure is a figure, n
 
 Memory is each process's peak resident set; glibc's malloc runs with a fixed mmap threshold (`--mmap-threshold`, 1 MiB:
 a freed tensor's pages go back to the system, so the resident set follows the tensors, not what the allocator kept
-from earlier ones; 0 keeps glibc's own, sliding threshold, whose retention adds 0.5-1 GB per side here and varies run
+from earlier ones; 0 keeps glibc's own, sliding threshold, whose retention adds 0.5-1.4 GB per side here and varies run
 to run). `step_extra_mib` is what the measured update needed above the process's
 memory just before it (a first, tiny update has already allocated gradients and AdamW state). `mfu_vs_matmul` is the
 packed side's model FLOP/s (6 x parameters x tokens, attention included, recomputation not) over this machine's

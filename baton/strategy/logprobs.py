@@ -103,8 +103,7 @@ def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, inv_temperatu
     # In mixed precision the matmul runs in bf16 (autocast, or FSDP2's bf16 parameters); the log-softmax (and the
     # entropy from it) always run on float32 logits, so their error is the matmul's rounding, not bf16's over the
     # vocabulary.
-    logits = (hidden @ weight.T).float()  # [tokens, vocab]
-    return torch.log_softmax(logits * inv_temperature if inv_temperature != 1.0 else logits, dim=-1)
+    return _log_softmax((hidden @ weight.T).float(), inv_temperature)  # [tokens, vocab]
 
 
 def _check_no_bias(lm_head: torch.nn.Module) -> None:
@@ -125,8 +124,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, chunk_size: int, inv_temperature: float, with_entropy: bool,
-                entropy_grad: bool):
+    def forward(ctx, hidden, weight, tokens, inv_temperature: float, with_entropy: bool, entropy_grad: bool,
+                chunk_size: int):
         log_probs, entropies = [], []
         for start in range(0, tokens.shape[0], chunk_size):
             product = hidden[start : start + chunk_size] @ weight.T
@@ -158,7 +157,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, tokens.shape[0], chunk):
             end = start + chunk
             h = hidden[start:end].to(dtype)
-            grad = logits_grad_(_log_softmax((h @ w.T).float(), ctx.inv_temperature), tokens[start:end],
+            grad = logits_grad_(_chunk_log_softmax(h, w, ctx.inv_temperature), tokens[start:end],
                                 slice_or_none(grad_log_probs, start, end), slice_or_none(grad_entropy, start, end),
                                 entropy[start:end], ctx.inv_temperature).to(dtype)
             add_head_grads_(grad, h, w, grad_hidden, grad_weight, start)
@@ -207,13 +206,35 @@ def slice_or_none(values: torch.Tensor | None, start: int, end: int) -> torch.Te
     return None if values is None else values[start:end]
 
 
+def scale_(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """`logits` at the inverse temperature, in place."""
+    return logits.mul_(inv_temperature) if inv_temperature != 1.0 else logits
+
+
+def inverse_temperature(temperature: float) -> float:
+    """What logits are multiplied by at `temperature`; greedy (0) scores at 1."""
+    return 1.0 / temperature if temperature > 0 else 1.0
+
+
 def _log_softmax(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
     """The log-softmax of float32 `logits` (scaled in place) at the inverse temperature. torch's log_softmax works
     row by row, so a token's log-prob does not depend on the other rows of its chunk (a logsumexp reduction may split
     a row over threads when the rows are few, and round differently with the batch's shape)."""
-    if inv_temperature != 1.0:
-        logits.mul_(inv_temperature)
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(scale_(logits, inv_temperature), dim=-1)
+
+
+def log_probs_by_token(function, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                       with_entropy: bool, entropy_grad: bool, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`function` (`_ChunkedLogProbs` or the vocabulary-parallel one: hidden, weight, tokens, inverse temperature,
+    with_entropy, entropy_grad, then its own `args`) over the positions of hidden [rows, len, hidden] and tokens
+    [rows, len], as one flat run of tokens; two float32 tensors [rows, len]."""
+    rows, length = tokens.shape
+    if rows * length == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty.reshape(rows, length), empty.reshape(rows, length)
+    log_probs, entropy = function.apply(hidden.reshape(rows * length, -1), weight, tokens.reshape(-1),
+                                        inverse_temperature(temperature), with_entropy, entropy_grad, *args)
+    return log_probs.reshape(rows, length), entropy.reshape(rows, length)
 
 
 def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
@@ -227,16 +248,8 @@ def token_log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, tokens: torc
     hidden [rows, len, hidden], tokens [rows, len] → two float32 tensors [rows, len].
     """
     _check_no_bias(lm_head)
-    rows, length = tokens.shape
-    flat_hidden = hidden.reshape(rows * length, -1)
-    flat_tokens = tokens.reshape(-1)
-    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
-    if rows * length == 0:
-        empty = flat_hidden.new_zeros(0, dtype=torch.float32)
-        return empty.reshape(rows, length), empty.reshape(rows, length)
-    log_probs, entropy = _ChunkedLogProbs.apply(flat_hidden, lm_head.weight, flat_tokens, chunk_size, inv_temperature,
-                                                with_entropy, entropy_grad)
-    return log_probs.reshape(rows, length), entropy.reshape(rows, length)
+    return log_probs_by_token(_ChunkedLogProbs, hidden, lm_head.weight, tokens, temperature, with_entropy,
+                              entropy_grad, chunk_size)
 
 
 def _chunk_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
@@ -260,7 +273,7 @@ def token_log_probs_at(hidden: torch.Tensor, lm_head: torch.nn.Module, ids: torc
     _check_no_bias(lm_head)
     check_top_k_ids(ids, lm_head.weight.shape[0])
     flat_hidden, flat_ids = hidden.reshape(rows * length, -1), ids.reshape(rows * length, k)
-    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    inv_temperature = inverse_temperature(temperature)
     out = []
     for start in range(0, rows * length, chunk_size):
         args = (flat_hidden[start : start + chunk_size], lm_head.weight, flat_ids[start : start + chunk_size],
@@ -284,7 +297,7 @@ def token_top_k(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int, temperat
                          "sends the full distribution")
     rows, length = hidden.shape[:2]
     flat_hidden = hidden.reshape(rows * length, -1)
-    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    inv_temperature = inverse_temperature(temperature)
     values, ids = [], []
     for start in range(0, rows * length, chunk_size):
         top = _chunk_log_softmax(flat_hidden[start : start + chunk_size], lm_head.weight, inv_temperature).topk(k, -1)

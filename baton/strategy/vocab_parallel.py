@@ -14,30 +14,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baton.strategy.logprobs import add_head_grads_, logits_grad_, slice_or_none
+from baton.strategy.logprobs import add_head_grads_, log_probs_by_token, logits_grad_, scale_, slice_or_none
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, vocab_start: int, chunk_size: int, inv_temperature: float,
-                with_entropy: bool, entropy_grad: bool, group):
+    def forward(ctx, hidden, weight, tokens, inv_temperature: float, with_entropy: bool, entropy_grad: bool,
+                chunk_size: int, vocab_start: int, group):
         local_tokens, in_shard = _local_tokens(tokens, vocab_start, weight.shape[0])
         log_probs, entropies, normalisers = [], [], []
         for start in range(0, tokens.shape[0], chunk_size):
             end = start + chunk_size
             product = hidden[start:end] @ weight.T
             ctx.matmul_dtype = product.dtype
-            logits = product.float()
+            logits = scale_(product.float(), inv_temperature)
             del product
-            if inv_temperature != 1.0:
-                logits.mul_(inv_temperature)
             top = logits.max(-1).values
             dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
             logits.sub_(top[:, None])
             total = logits.exp().sum(-1)
             dist.all_reduce(total, group=group)
-            normaliser = top + total.log()  # the log-sum-exp over the whole vocabulary
-            log_p = logits.sub_(total.log()[:, None])  # log p over this shard's tokens
+            log_total = total.log_()
+            normaliser = top + log_total  # the log-sum-exp over the whole vocabulary
+            log_p = logits.sub_(log_total[:, None])  # log p over this shard's tokens
             picked = log_p.gather(-1, local_tokens[start:end, None])[:, 0] * in_shard[start:end]
             parts = [picked]
             if with_entropy:
@@ -73,9 +72,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         for start in range(0, tokens.shape[0], chunk):
             end = start + chunk
             h = hidden[start:end].to(dtype)
-            logits = (h @ w.T).float()
-            if ctx.inv_temperature != 1.0:
-                logits.mul_(ctx.inv_temperature)
+            logits = scale_((h @ w.T).float(), ctx.inv_temperature)
             grad = logits_grad_(logits.sub_(normaliser[start:end, None]), local_tokens[start:end],
                                 slice_or_none(grad_log_probs, start, end), slice_or_none(grad_entropy, start, end),
                                 entropy[start:end], ctx.inv_temperature, in_shard[start:end]).to(dtype)
@@ -106,15 +103,8 @@ def vocab_parallel_token_log_probs(hidden: torch.Tensor, weight_shard: torch.Ten
     `tokens` [rows, len] (vocabulary ids), and gets the same two float32 tensors [rows, len]; the gradient of
     `hidden` is the whole vocabulary's on every rank, that of `weight_shard` its own rows'. Shards may differ in
     size (a vocabulary not divisible by the group's size)."""
-    rows, length = tokens.shape
-    if rows * length == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty.reshape(rows, length), empty.reshape(rows, length)
-    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
-    log_probs, entropy = _VocabParallelLogProbs.apply(
-        hidden.reshape(rows * length, -1), weight_shard, tokens.reshape(-1), vocab_start, chunk_size, inv_temperature,
-        with_entropy, entropy_grad, group)
-    return log_probs.reshape(rows, length), entropy.reshape(rows, length)
+    return log_probs_by_token(_VocabParallelLogProbs, hidden, weight_shard, tokens, temperature, with_entropy,
+                              entropy_grad, chunk_size, vocab_start, group)
 
 
 __all__ = ["vocab_parallel_token_log_probs"]
