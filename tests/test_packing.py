@@ -13,7 +13,8 @@ from baton.rl.losses import TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS, DistillL
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.fsdp2 import Fsdp2Strategy
 from baton.strategy.hf import HFStrategy
-from baton.strategy.logprobs import RLHead, response_hidden_states
+from baton.strategy.head import RLHead
+from baton.strategy.logprobs import response_hidden_states
 from baton.strategy import packing as packing_module
 from baton.strategy.packing import packed_mask, plan_packing
 from conftest import padded_batch

@@ -25,7 +25,8 @@ from baton.engines.loop import LoopThread
 from baton.engines.protocol import GenerationRequest, GenerationResult, ServedEngine
 from baton.engines.serving import Sequence, ServingLoop
 from baton.strategy.base import StrategyConfig
-from baton.strategy.logprobs import RLHead, position_ids_from_mask
+from baton.strategy.head import RLHead
+from baton.strategy.logprobs import position_ids_from_mask
 from baton.strategy.padding import pad_responses, trim_padding
 from baton.strategy.sampling import DecodeBatch
 

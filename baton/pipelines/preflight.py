@@ -16,8 +16,8 @@ from baton.config import ConfigError, import_object
 from baton.distributed.worker import usable_cpu_count
 from baton.pipelines.config import RoleConfig, TrainerConfig, WorkerSettings, strategy_capabilities
 from baton.pipelines.role_layout import describe_roles, devices_needed, model_roles
-from baton.strategy import StrategyConfig
-from baton.strategy.capabilities import backends_that, capabilities, strategy_class
+from baton.strategy import ParallelConfig, StrategyConfig
+from baton.strategy.capabilities import backends_that, capabilities, check_parallel_layout, strategy_class
 from baton.tracking.tracker import missing_package
 
 TRAINING_ROLES = ("actor", "critic")  # roles whose model an optimizer steps
@@ -54,8 +54,36 @@ def check_roles(config, trainer: TrainerConfig) -> None:
                 f"independent model per worker, so they would drift apart; use {name}.strategy.name="
                 f"{' / '.join(backends_that('trains_over_workers'))} to train one model over {workers} workers, or "
                 f"{name}.world_size=1")
+        check_parallel(f"{name}.strategy", role.strategy, workers)
     check_sequence_lengths(config, roles)
     check_machine(config, trainer)
+
+
+def check_parallel(key: str, strategy: StrategyConfig, workers: int) -> None:
+    """A parallel layout (`strategy.parallel`) is one the backend takes, the role's worker count divides into and the
+    model's heads and MLP split by."""
+    if strategy.parallel == ParallelConfig():
+        return
+    from baton.strategy.tensor_parallel import check_tensor_parallel
+
+    try:
+        check_parallel_layout(strategy)
+        strategy.parallel.dp_shard(workers)
+        if strategy.parallel.tp > 1:
+            check_tensor_parallel(hf_config(strategy.model), strategy.parallel.tp)
+    except ValueError as e:
+        raise ConfigError(f"{key}.parallel: {e}") from None
+
+
+def hf_config(model: str | dict):
+    """The transformers config of a model name, dict or local directory."""
+    from baton.models import model_config
+
+    if isinstance(model, str) and os.path.isdir(model):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    return model_config(model)
 
 
 def check_sequence_lengths(config, roles: dict[str, RoleConfig]) -> None:

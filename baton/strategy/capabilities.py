@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.config import Registry, import_object
-from baton.strategy.base import StrategyConfig
+from baton.strategy.base import ParallelConfig, StrategyConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Capabilities:
         model of its own and they would drift apart.
     trains_lora: trains a LoRA adapter on its frozen model (`StrategyConfig.lora`).
     devices_per_worker: drives several devices from one worker process (tensor-parallel inference).
+    parallel_layouts: splits one model over workers by tensor, context and replicated-shard dimensions
+        (`StrategyConfig.parallel`), and says each worker's place in that layout (`rank_info`).
     filtered_log_probs: reports the log-probs of the top-k / top-p filtered distribution, which the actor does not
         recompute (so sampling filters are refused).
     takes_engine_kwargs: passes `StrategyConfig.engine_kwargs` to the inference engine it runs on.
@@ -45,6 +47,7 @@ class Capabilities:
     trains_over_workers: bool = False
     trains_lora: bool = False
     devices_per_worker: bool = False
+    parallel_layouts: bool = False
     filtered_log_probs: bool = False
     takes_engine_kwargs: bool = False
     serves_lora_adapters: bool = False
@@ -70,7 +73,7 @@ BACKENDS: Registry[Backend] = Registry("strategy", {
     "hf": Backend("baton.strategy.hf:HFStrategy", Capabilities(
         shares_weights=True, top_k_log_probs=True, trains_lora=True, engine="baton.engines.hf:serve")),
     "fsdp2": Backend("baton.strategy.fsdp2:Fsdp2Strategy", Capabilities(
-        generates=False, top_k_log_probs=True, trains_over_workers=True)),
+        generates=False, top_k_log_probs=True, trains_over_workers=True, parallel_layouts=True)),
     "mock": Backend("baton.strategy.mock:MockStrategy", Capabilities()),
     # A rollout only, on the vllm engine, so it lives in baton.engines (this layer imports no engine); needs vLLM
     # (scripts/setup.sh --vllm).
@@ -122,3 +125,11 @@ def syncs_policy_adapter(actor: StrategyConfig, rollout: StrategyConfig) -> bool
     its engine is built for them (`engine_kwargs` enable_lora); otherwise a LoRA actor sends merged weights."""
     return (actor.lora is not None and capabilities(rollout.name).serves_lora_adapters
             and bool(rollout.engine_kwargs.get("enable_lora", False)))
+
+
+def check_parallel_layout(config: StrategyConfig) -> None:
+    """ValueError where `config.parallel` asks a backend that holds a whole model per worker for a layout."""
+    if config.parallel != ParallelConfig() and not capabilities(config.name).parallel_layouts:
+        raise ValueError(f"strategy {config.name!r} holds a whole model on each worker, so it takes no parallel layout "
+                         f"({config.parallel}); use a strategy that splits one model over workers "
+                         f"({backends_that('parallel_layouts')}), or drop strategy.parallel")

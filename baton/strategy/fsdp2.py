@@ -21,7 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from baton.data import DataProto
 from baton.distributed.rendezvous import init_process_group
+from baton.strategy.context_parallel import use_ulysses_attention
 from baton.strategy.hf import TorchStrategy, default_device
+from baton.strategy.mesh import ParallelMesh
+from baton.strategy.tensor_parallel import parallelize_tensors
 
 
 class Fsdp2Strategy(TorchStrategy):
@@ -38,7 +41,10 @@ class Fsdp2Strategy(TorchStrategy):
             else:  # the local backend: one in-process worker, a group of one
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        super().__init__(config, device or default_device())
+        device = device or default_device()
+        self.mesh = ParallelMesh.build(config.parallel, device.type)
+        self.rank_info = self.mesh.rank_info
+        super().__init__(config, device)
 
     def _wrap(self, module):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -49,9 +55,17 @@ class Fsdp2Strategy(TorchStrategy):
         # Each layer gathers its weights at each call, so every rank must call the decoder alike: once per micro-batch
         # whatever its rows (no prompt-sharing pass, no pass per packed bin), or ranks would pair unlike collectives.
         module.one_pass = self.world_size > 1
+        if self.config.parallel.tp > 1:
+            parallelize_tensors(module.model, self.mesh.tp)
+        if self.config.parallel.cp > 1:
+            if self.config.packing:
+                raise ValueError("packing: true with cp > 1: a context-parallel pass splits padded rows by position and "
+                                 "does not pack them; set packing: null (or false), or cp: 1")
+            use_ulysses_attention(module.model, self.config.parallel.cp)
+            module.context_parallel = self.mesh.cp.get_group()
         for layer in module.model.base_model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(module, mp_policy=policy)
+            fully_shard(layer, mesh=self.mesh.fsdp, mp_policy=policy)
+        fully_shard(module, mesh=self.mesh.fsdp, mp_policy=policy)
         return module
 
     def _autocast(self):
@@ -69,12 +83,13 @@ class Fsdp2Strategy(TorchStrategy):
             self.module.reshard()
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        return self._all_reduce(values, dist.ReduceOp.SUM)
+        """Summed over the ranks that hold different rows (a tp × cp group holds the same ones)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM, self.mesh.dp_group)
 
-    def _all_reduce(self, values: list[float], op) -> list[float]:
-        """One collective for all `values` (float64, so sums of token counts stay exact)."""
+    def _all_reduce(self, values: list[float], op, group=None) -> list[float]:
+        """One collective for all `values` (float64, so sums of token counts stay exact) over `group` (None: all)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device)
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=op, group=group)
         return tensor.tolist()
 
     @property
@@ -83,7 +98,24 @@ class Fsdp2Strategy(TorchStrategy):
 
     @property
     def _grad_scale(self) -> float:
-        return float(self.world_size)
+        return float(self.mesh.fsdp_size)
+
+    def _clip_gradients(self) -> float:
+        """The gradient norm over every rank's parameters, each element counted once (a shard by the ranks that hold
+        it, a replicated tensor once), then every gradient scaled to `grad_clip`."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for grad in grads:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            squares += torch.linalg.vector_norm(local, dtype=torch.float32) ** 2 / _copies(grad, self.world_size)
+        squares = squares.to(self._collective_device)
+        dist.all_reduce(squares)
+        norm = float(squares.sqrt())
+        if self.config.grad_clip is not None and norm > self.config.grad_clip:
+            scale = self.config.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
 
     def _micro_batches(self, batch: DataProto) -> list[DataProto]:
         """Every rank runs the same number of forward/backward passes (FSDP's collectives must pair up);
@@ -162,6 +194,18 @@ class Fsdp2Strategy(TorchStrategy):
                     for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0
                 })
         self.optimizer.load_state_dict(state)
+
+
+def _copies(tensor: torch.Tensor, world_size: int) -> int:
+    """How many of `world_size` ranks hold each element of `tensor`: all of them for a plain tensor; for a DTensor,
+    all but the split of the mesh dimensions it is sharded over."""
+    if not isinstance(tensor, DTensor):
+        return world_size
+    shards = 1
+    for dim, placement in enumerate(tensor.placements):
+        if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over a tensor-parallel shard (not is_shard())
+            shards *= tensor.device_mesh.size(dim)
+    return world_size // shards
 
 
 def _replicate():

@@ -28,7 +28,8 @@ from baton.checkpoint import has_state, load_state, save_state, writing
 from baton.data import DataProto
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
-from baton.strategy.logprobs import RLHead, position_ids_from_mask, sampling_temperature
+from baton.strategy.head import RLHead
+from baton.strategy.logprobs import position_ids_from_mask, sampling_temperature
 from baton.strategy.lora import adapter_state, add_lora, has_adapter, load_adapter, merged_state_dict, save_adapter
 from baton.strategy.padding import pad_responses, trim_padding
 from baton.strategy.sampling import generation_output, prompt_row_seeds, sample
@@ -109,6 +110,8 @@ class TorchStrategy:
     (adapter_model.safetensors, adapter_config.json) beside the optimizer state, its base being the role's
     `model`; `save_merged` writes the merged model as an HF directory.
     """
+
+    rank_info = None  # a model-parallel layout's `RankInfo` (fsdp2 with strategy.parallel); None: plain data parallel
 
     def __init__(self, config: StrategyConfig, device: torch.device | None = None):
         self.config = config

@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from baton.strategy.packing import packed_response_hidden_states, plan_packing, resolve_packing
+from baton.strategy.packing import packed_response_hidden_states, plan_packing
 
 
 def sampling_temperature(batch) -> float:
@@ -229,9 +229,9 @@ def log_probs_by_token(function, hidden: torch.Tensor, weight: torch.Tensor, tok
     with_entropy, entropy_grad, then its own `args`) over the positions of hidden [rows, len, hidden] and tokens
     [rows, len], as one flat run of tokens; two float32 tensors [rows, len]."""
     rows, length = tokens.shape
-    if rows * length == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty.reshape(rows, length), empty.reshape(rows, length)
+    if rows * length == 0:  # still a function of `hidden`, so that a backward pass runs through the model that made it
+        empty = hidden.sum(-1).float() * 0  # (a context-parallel rank without response tokens: its peers' need it)
+        return empty, empty
     log_probs, entropy = function.apply(hidden.reshape(rows * length, -1), weight, tokens.reshape(-1),
                                         inverse_temperature(temperature), with_entropy, entropy_grad, *args)
     return log_probs.reshape(rows, length), entropy.reshape(rows, length)
@@ -309,64 +309,7 @@ def token_top_k(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int, temperat
     return torch.cat(values).reshape(rows, length, k), torch.cat(ids).reshape(rows, length, k)
 
 
-class RLHead(torch.nn.Module):
-    """Wraps an HF model so that one forward call returns what RL needs for the response tokens.
-
-    Going through this module's forward (rather than reaching into the model's weights from
-    outside) is what lets FSDP gather the weights of the embedding and LM head when they are used.
-    causal LMs: {"log_probs", "entropy"}; kind "value" (token classifiers): {"values"}; each [rows, response_len].
-    A causal LM given `log_probs_at` (token ids [rows, response_len, k]) also returns "log_probs_at", the log-probs
-    of those ids [rows, response_len, k]; given `top_k` > 0 it returns only "top_k_log_probs" and "top_k_ids"
-    [rows, response_len, top_k] (`token_top_k`).
-    """
-
-    def __init__(self, model: torch.nn.Module, kind: str, chunk_size: int, packing: bool | None = False):
-        super().__init__()
-        self.model = model
-        self.kind = kind
-        self.chunk_size = chunk_size or chunk_tokens(model.config.vocab_size)
-        self.packing = resolve_packing(packing, model)  # see `response_hidden_states`
-        self.one_pass = False  # set by a strategy that shards the model over ranks (`response_hidden_states`)
-
-    def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
-                with_entropy: bool = True, entropy_grad: bool = True, log_probs_at: torch.Tensor | None = None,
-                top_k: int = 0) -> dict[str, torch.Tensor]:
-        response_len = responses.shape[1]
-        if self.kind == "value":
-            score = getattr(self.model, "score", None)  # the value head of Qwen2/Llama-style token classifiers
-            if score is None:
-                logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-                return {"values": logits[:, -response_len - 1 : -1, 0].float()}
-            # No dropout before the head: build_role_model sets classifier_dropout 0.
-            hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len,
-                                            self.packing, self.one_pass)
-            return {"values": score(hidden)[..., 0].float()}
-        hidden = response_hidden_states(self.model, input_ids, attention_mask, position_ids, response_len, self.packing,
-                                        self.one_pass)
-        lm_head = self.model.get_output_embeddings()
-        # Only the real response tokens go through the LM head, as one row: a padding position's outputs are never
-        # read, and at a real vocabulary the head costs more than several layers. Padding positions get zeros.
-        real = attention_mask[:, -response_len:].bool()
-        hidden = hidden[real][None]  # [1, tokens, hidden]
-        if top_k:
-            values, ids = token_top_k(hidden, lm_head, top_k, temperature, self.chunk_size)
-            return {"top_k_log_probs": at_rows(values, real), "top_k_ids": at_rows(ids, real)}
-        log_probs, entropy = token_log_probs(hidden, lm_head, responses[real][None], temperature, self.chunk_size,
-                                             with_entropy, entropy_grad)
-        out = {"log_probs": at_rows(log_probs, real), "entropy": at_rows(entropy, real)}
-        if log_probs_at is not None:
-            out["log_probs_at"] = at_rows(token_log_probs_at(hidden, lm_head, log_probs_at[real][None], temperature,
-                                                             self.chunk_size), real)
-        return out
-
-
 def chunk_tokens(vocab_size: int, budget: int = 1 << 26, most: int = 1024) -> int:
     """Tokens per log-prob chunk: as many as keep one chunk's float32 logits [tokens, vocab] within `budget` values
     (256 MiB), at most `most`. The backward pass holds two such tensors (`_ChunkedLogProbs`)."""
     return max(1, min(most, budget // vocab_size))
-
-
-def at_rows(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """`values` of the real positions, [1, tokens, ...], back at their rows' positions [rows, len, ...]; zeros elsewhere."""
-    out = values.new_zeros((*real.shape, *values.shape[2:]))
-    return out.index_put((real,), values[0])

@@ -14,6 +14,8 @@ class ModelWorker(Worker):
     def __init__(self, config: StrategyConfig):
         self.config = config
         self.strategy = create_strategy(config)
+        if getattr(self.strategy, "rank_info", None) is not None:  # a model-parallel layout: dispatch follows it
+            self.set_rank_info(self.strategy.rank_info)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: DataProto) -> DataProto:

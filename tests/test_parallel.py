@@ -1,0 +1,113 @@
+"""Parallel layouts of the fsdp2 strategy (`strategy.parallel`) train as one process does, the way Megatron users
+check a layout: the same losses, gradient norms and metrics at every step, the same log-probs and the same weights
+after the steps, for SFT, GRPO's policy loss and PPO's critic. Two spawned gloo processes each (this machine has two
+cores), on the tiny Qwen2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_loss_metrics import POLICY_LOSS, POLICY_METRICS, uneven_batch
+from test_mixed_precision import run_on_ranks
+from test_strategy_distributed import TEXTS
+
+from baton.data import DataProto
+from baton.models import load_tokenizer
+from baton.rl.losses import SFTLoss, ValueLoss
+from baton.strategy import OptimizerConfig, ParallelConfig, StrategyConfig, create_strategy
+from baton.strategy.fsdp2 import Fsdp2Strategy
+from baton.workers.weight_sync import probe_batch
+
+NUM_STEPS = 3
+# name: (processes, layout); dp_shard is what the processes leave
+LAYOUTS = {"tp2": (2, ParallelConfig(tp=2)), "cp2": (2, ParallelConfig(cp=2)),
+           "hsdp2": (2, ParallelConfig(dp_replicate=2)), "tp2-dp2": (4, ParallelConfig(tp=2)),
+           "cp2-tp2": (4, ParallelConfig(cp=2, tp=2))}
+
+
+def config(kind: str = "causal_lm", parallel: ParallelConfig | None = None, **overrides) -> StrategyConfig:
+    # eps 1e-6: Adam moves a weight by about lr whatever its gradient's size, so with the default 1e-8 a gradient at
+    # rounding level would move by lr in a direction set by the order of a sum (as in test_strategy_distributed).
+    return StrategyConfig(name="hf" if parallel is None else "fsdp2", model="tiny-qwen2", kind=kind,
+                          optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), parallel=parallel or ParallelConfig(),
+                          **overrides)
+
+
+def critic_batch() -> DataProto:
+    batch = uneven_batch()
+    values = create_strategy(config("value")).forward(batch).batch["values"]
+    noise = torch.Generator().manual_seed(1)
+    batch.batch["values"] = values + torch.randn(values.shape, generator=noise)
+    batch.batch["returns"] = values + torch.randn(values.shape, generator=noise)
+    return batch
+
+
+LOSSES = {"sft": ("causal_lm", SFTLoss(), ()), "grpo": ("causal_lm", POLICY_LOSS, POLICY_METRICS),
+          "critic": ("value", ValueLoss(cliprange_value=0.5), ("critic/vf_loss", "critic/vf_clipfrac"))}
+
+
+def train(strategy, batch: DataProto, loss_fn) -> dict:
+    """NUM_STEPS updates on `batch`, then the outputs of a forward pass and the full weights (None on ranks other
+    than the writer)."""
+    steps = [strategy.train_step(batch, loss_fn) for _ in range(NUM_STEPS)]
+    outputs = strategy.forward(batch)
+    weights = strategy._full_state_dict()
+    return {"steps": steps, "outputs": dict(outputs.batch), "weights": weights or None,
+            "collects": strategy.rank_info is None or strategy.rank_info.is_collect_rank}
+
+
+def train_on_rank(rank: int, world_size: int, kind: str, loss: str, parallel: ParallelConfig, batch: DataProto):
+    strategy = Fsdp2Strategy(config(kind, parallel, micro_batch_size_per_worker=2))
+    info = strategy.rank_info
+    return train(strategy, batch.chunk(info.dp_size)[info.dp_rank], LOSSES[loss][1])
+
+
+@pytest.fixture(scope="module")
+def batches() -> dict[str, DataProto]:
+    policy = uneven_batch()
+    return {"causal_lm": policy, "value": critic_batch()}
+
+
+@pytest.fixture(scope="module")
+def single(batches) -> dict[str, dict]:
+    """Each loss trained by one hf process on the whole batch."""
+    return {loss: train(create_strategy(config(kind)), batches[kind], loss_fn)
+            for loss, (kind, loss_fn, _) in LOSSES.items()}
+
+
+# Every loss on every two-process layout; the four-process layouts (two per core here) with GRPO's loss.
+CASES = [(layout, loss) for layout, (processes, _) in LAYOUTS.items() for loss in LOSSES
+         if processes == 2 or loss == "grpo"]
+
+
+@pytest.mark.parametrize("layout,loss", CASES)
+def test_a_parallel_layout_trains_as_one_process(layout, loss, batches, single, tmp_path):
+    kind, _, metric_names = LOSSES[loss]
+    processes, parallel = LAYOUTS[layout]
+    ranks = run_on_ranks(train_on_rank, processes, (kind, loss, parallel, batches[kind]), tmp_path)
+    check_same_training(ranks, single[loss], metric_names, batches[kind].batch["response_mask"])
+
+
+def check_same_training(ranks: list[dict], want: dict, metric_names, mask: torch.Tensor) -> None:
+    for rank in ranks:  # every rank reports the whole batch's metrics
+        for step, (got, expected) in enumerate(zip(rank["steps"], want["steps"])):
+            for key in ("loss", "grad_norm", *metric_names):
+                assert got[key] == pytest.approx(expected[key], rel=2e-4, abs=1e-6), (step, key)
+    # Outputs come from the collecting ranks (tp 0, cp 0), each for its data-parallel shard; compared at the response
+    # tokens (a critic's value at a padding position is whatever the masked attention gives).
+    collected = [rank["outputs"] for rank in ranks if rank["collects"]]
+    for key, value in want["outputs"].items():
+        torch.testing.assert_close(torch.cat([part[key] for part in collected]) * mask, value * mask, atol=1e-4,
+                                   rtol=1e-4)
+    weights = ranks[0]["weights"]
+    assert all(rank["weights"] is None for rank in ranks[1:]) and weights.keys() == want["weights"].keys()
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(weights[name], value, atol=5e-4, rtol=0, msg=name)
+
+
+def test_a_context_parallel_rank_that_holds_no_response_position_still_trains_its_part(tmp_path):
+    """Responses of one token sit in the second half of every row: the first rank's share of them is empty, but its
+    positions are keys and values for the other's queries, so its backward pass runs all the same."""
+    batch = probe_batch(load_tokenizer(), TEXTS, 1)
+    ranks = run_on_ranks(train_on_rank, 2, ("causal_lm", "sft", ParallelConfig(cp=2), batch), tmp_path)
+    check_same_training(ranks, train(create_strategy(config()), batch, SFTLoss()), (), batch.batch["response_mask"])
