@@ -5,17 +5,22 @@ cores), on the tiny Qwen2 model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_loss_metrics import POLICY_LOSS, POLICY_METRICS, uneven_batch
 from test_mixed_precision import run_on_ranks
+from test_rl_drivers import DRIVERS, settings
 from test_strategy_distributed import TEXTS
 
 from baton.data import DataProto
 from baton.models import load_tokenizer
+from baton.pipelines.base import run_pipeline
 from baton.rl.losses import SFTLoss, ValueLoss
 from baton.strategy import OptimizerConfig, ParallelConfig, StrategyConfig, create_strategy
 from baton.strategy.fsdp2 import Fsdp2Strategy
+from baton.tracking import run_metrics
 from baton.workers.weight_sync import probe_batch
 
 NUM_STEPS = 3
@@ -111,3 +116,35 @@ def test_a_context_parallel_rank_that_holds_no_response_position_still_trains_it
     batch = probe_batch(load_tokenizer(), TEXTS, 1)
     ranks = run_on_ranks(train_on_rank, 2, ("causal_lm", "sft", ParallelConfig(cp=2), batch), tmp_path)
     check_same_training(ranks, train(create_strategy(config()), batch, SFTLoss()), (), batch.batch["response_mask"])
+
+
+# --- the pipelines, on Ray -------------------------------------------------------------------------------------------
+
+
+def driver_run(driver: str, run_dir, parallel: ParallelConfig | None = None) -> dict[int, dict]:
+    """A GRPO run of `driver` (test_rl_drivers' settings, two steps): one hf actor on the local backend, or with
+    `parallel` an fsdp2 actor of two workers in that layout on Ray. Its metrics by step."""
+    pipeline_cls, config_cls = DRIVERS[driver]
+    config = config_cls(**settings(run_dir))
+    trainer = dict(num_steps=2, val_every_steps=1, save_every_steps=2)
+    if parallel is not None:
+        strategy = dataclasses.replace(config.actor.strategy, name="fsdp2", parallel=parallel)
+        config.actor = dataclasses.replace(config.actor, strategy=strategy, world_size=2)
+        trainer.update(backend="ray", num_nodes=1)
+    config.trainer = dataclasses.replace(config.trainer, **trainer)
+    run_pipeline(pipeline_cls, config)
+    return run_metrics(str(run_dir))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("driver", list(DRIVERS))
+def test_each_rl_driver_trains_a_tensor_and_a_context_parallel_actor_as_one_process(driver, tmp_path, ray_cluster):
+    want = driver_run(driver, tmp_path / "one")
+    for layout in ("tp2", "cp2"):
+        got = driver_run(driver, tmp_path / layout, LAYOUTS[layout][1])
+        assert sorted(got) == sorted(want) == [0, 1, 2], layout
+        for step, metrics in want.items():
+            assert got[step].keys() == metrics.keys(), (layout, step, sorted(set(got[step]) ^ set(metrics)))
+            for key, value in metrics.items():
+                assert got[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (layout, step, key)
+        assert got[2]["actor/grad_norm"] > 0.1

@@ -164,3 +164,19 @@ def test_bad_data_is_refused_before_the_run_directory_or_ray(tmp_path):
     with pytest.raises(DataError, match=r"train.jsonl, line 3: a row must be a JSON object"):
         SFTPipeline(config)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, parallel, world_size, message", [
+    ("fsdp2", {"tp": 3}, 3, r"tp: 3 does not divide this model's num_attention_heads \(4\)"),
+    ("fsdp2", {"cp": 3}, 3, r"cp: 3 does not divide this model's num_attention_heads \(4\)"),
+    ("fsdp2", {"tp": 2}, 3, r"3 workers do not divide into dp_replicate 1 × cp 1 × tp 2; give the role a multiple of 2"),
+    ("hf", {"tp": 2}, 1, r"strategy 'hf' holds a whole model on each worker, so it takes no parallel layout"),
+])
+def test_a_parallel_layout_the_model_or_workers_cannot_take_is_refused_before_ray(tmp_path, name, parallel,
+                                                                                   world_size, message):
+    from baton.strategy import ParallelConfig
+
+    config = sft_config(tmp_path, world_size=world_size)
+    config.actor.strategy = StrategyConfig(name=name, model="tiny-qwen2", parallel=ParallelConfig(**parallel))
+    with pytest.raises(ConfigError, match=r"actor.strategy.parallel: " + message):
+        SFTPipeline.dry_run(config)

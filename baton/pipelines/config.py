@@ -73,6 +73,12 @@ class RoleConfig(WorkerSettings):
 
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
 
+    def num_data_shards(self, name: str) -> int:
+        """Into how many shards the role's workers split each batch: one per data-parallel rank, the workers of one
+        tensor × context parallel group taking the same rows (`strategy.parallel`; a worker count the layout does
+        not divide is refused by preflight)."""
+        return max(1, self.num_workers(name) // self.strategy.parallel.model_parallel_size)
+
     def with_run_schedule(self, num_updates: int) -> "RoleConfig":
         """This role, its decaying lr schedule spanning `num_updates` optimizer steps when it sets no total_steps."""
         scheduler = self.strategy.scheduler
@@ -339,12 +345,12 @@ class RLVRConfig:
         rows = trainer.num_prompts_per_step * num_samples // algo.num_mini_batches_per_step
         for name in ("actor", "critic"):
             role = getattr(self, name)
-            workers = role.num_workers(name) if role is not None else 1
-            if rows % workers:
+            shards = role.num_data_shards(name) if role is not None else 1
+            if rows % shards:
                 raise ConfigError(
                     f"a mini-batch of {rows} responses (trainer.num_prompts_per_step × sampling.num_samples_per_prompt "
-                    f"/ algorithm.num_mini_batches_per_step) does not split evenly over the {workers} {name} "
-                    f"workers; make it a multiple of {workers}")
+                    f"/ algorithm.num_mini_batches_per_step) does not split evenly over the {shards} {name} "
+                    f"workers (data-parallel shards); make it a multiple of {shards}")
         rollout_layout = (self.rollout.world_size, self.rollout.device_mapping)
         if self.colocate_actor_rollout and rollout_layout != (None, None) and rollout_layout != (
                 self.actor.world_size, self.actor.device_mapping):
@@ -391,10 +397,10 @@ class SFTConfig:
         _check_data(self.data)
         self.actor.check_schedule("actor", self.trainer.num_steps, f"trainer.num_steps={self.trainer.num_steps}, one "
                                   "update each")
-        workers = self.actor.num_workers("actor")
-        if self.trainer.num_prompts_per_step % workers:
+        shards = self.actor.num_data_shards("actor")
+        if self.trainer.num_prompts_per_step % shards:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} does not split evenly "
-                              f"over the {workers} actor workers; make it a multiple of {workers}")
+                              f"over the {shards} actor workers (data-parallel shards); make it a multiple of {shards}")
         _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
         if self.trainer.offload_idle_roles is True:
             warnings.warn("trainer.offload_idle_roles=true is ignored: SFT trains one role, which shares its devices "

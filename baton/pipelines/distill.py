@@ -148,10 +148,11 @@ class DistillConfig:
                               f"generates, which {', '.join(able)} do; set teacher.strategy.name to one of them")
         samples = 1 if self.response_source == "dataset" else self.sampling.num_samples_per_prompt
         rows = self.trainer.num_prompts_per_step * samples
-        workers = self.actor.num_workers("actor")
-        if rows % workers:
-            raise ConfigError(f"a step's {rows} responses do not split evenly over the {workers} actor workers; make "
-                              f"trainer.num_prompts_per_step (× sampling.num_samples_per_prompt) a multiple of {workers}")
+        shards = self.actor.num_data_shards("actor")
+        if rows % shards:
+            raise ConfigError(f"a step's {rows} responses do not split evenly over the {shards} actor workers "
+                              f"(data-parallel shards); make trainer.num_prompts_per_step (× sampling.num_samples_per_prompt) "
+                              f"a multiple of {shards}")
         _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
 
 

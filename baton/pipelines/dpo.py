@@ -120,11 +120,11 @@ class DPOConfig:
             raise ConfigError(f"actor.strategy.micro_batch_size_per_worker={strategy.micro_batch_size_per_worker} "
                               "would part a preference pair (two rows, chosen and rejected) between micro-batches; "
                               f"use an even number, e.g. {strategy.micro_batch_size_per_worker + 1}")
-        workers = self.actor.num_workers("actor")
-        if self.trainer.num_prompts_per_step % workers:
+        shards = self.actor.num_data_shards("actor")
+        if self.trainer.num_prompts_per_step % shards:
             raise ConfigError(f"trainer.num_prompts_per_step={self.trainer.num_prompts_per_step} pairs do not split "
-                              f"evenly over the {workers} actor workers, so a pair would be parted between two; make "
-                              f"it a multiple of {workers}")
+                              f"evenly over the {shards} actor workers (data-parallel shards), so a pair would be "
+                              f"parted between two; make it a multiple of {shards}")
         _check_reward_fn(self.reward_fn, self.reward_on_error, self.reward_kwargs)
 
 

@@ -64,13 +64,17 @@ def check_parallel(key: str, strategy: StrategyConfig, workers: int) -> None:
     model's heads and MLP split by."""
     if strategy.parallel == ParallelConfig():
         return
+    from baton.strategy.context_parallel import check_context_parallel
     from baton.strategy.tensor_parallel import check_tensor_parallel
 
     try:
         check_parallel_layout(strategy)
         strategy.parallel.dp_shard(workers)
+        model = hf_config(strategy.model)
         if strategy.parallel.tp > 1:
-            check_tensor_parallel(hf_config(strategy.model), strategy.parallel.tp)
+            check_tensor_parallel(model, strategy.parallel.tp)
+        if strategy.parallel.cp > 1:
+            check_context_parallel(model, strategy.parallel.cp)
     except ValueError as e:
         raise ConfigError(f"{key}.parallel: {e}") from None
 
