@@ -33,9 +33,9 @@ LAYOUTS = {"tp2": (2, ParallelConfig(tp=2)), "cp2": (2, ParallelConfig(cp=2)),
 def config(kind: str = "causal_lm", parallel: ParallelConfig | None = None, **overrides) -> StrategyConfig:
     # eps 1e-6: Adam moves a weight by about lr whatever its gradient's size, so with the default 1e-8 a gradient at
     # rounding level would move by lr in a direction set by the order of a sum (as in test_strategy_distributed).
-    return StrategyConfig(name="hf" if parallel is None else "fsdp2", model="tiny-qwen2", kind=kind,
-                          optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), parallel=parallel or ParallelConfig(),
-                          **overrides)
+    settings = dict(name="hf" if parallel is None else "fsdp2", model="tiny-qwen2", kind=kind,
+                    optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), parallel=parallel or ParallelConfig())
+    return StrategyConfig(**{**settings, **overrides})
 
 
 def critic_batch() -> DataProto:
@@ -148,3 +148,44 @@ def test_each_rl_driver_trains_a_tensor_and_a_context_parallel_actor_as_one_proc
             for key, value in metrics.items():
                 assert got[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (layout, step, key)
         assert got[2]["actor/grad_norm"] > 0.1
+
+
+# --- checkpoints across layouts --------------------------------------------------------------------------------------
+
+
+def save_on_rank(rank: int, world_size: int, parallel: ParallelConfig, batch: DataProto, path: str) -> dict:
+    """One update in layout `parallel`, then a checkpoint at `path`; the outputs of a forward pass after it."""
+    strategy = Fsdp2Strategy(config("causal_lm", parallel))
+    info = strategy.rank_info
+    shard = batch.chunk(info.dp_size)[info.dp_rank]
+    strategy.train_step(shard, POLICY_LOSS)
+    strategy.save_checkpoint(path)
+    return dict(strategy.forward(shard).batch)
+
+
+def resume_on_rank(rank: int, world_size: int, parallel: ParallelConfig, batch: DataProto, path: str) -> dict:
+    strategy = Fsdp2Strategy(config("causal_lm", parallel))
+    strategy.load_checkpoint(path)
+    info = strategy.rank_info
+    return train(strategy, batch.chunk(info.dp_size)[info.dp_rank], POLICY_LOSS)
+
+
+def test_a_checkpoint_of_one_layout_resumes_in_another_and_exports_an_hf_model(batches, tmp_path):
+    """Saved by tensor-parallel ranks; resumed by two plain data-parallel ranks and by one hf process, each training
+    on as an uninterrupted single process does (the optimizer's moments included: a resume without them would take
+    other steps); the checkpoint's model loads in transformers with the saving layout's log-probs."""
+    batch = batches["causal_lm"]
+    path = str(tmp_path / "step_1")
+    saved = run_on_ranks(save_on_rank, 2, (ParallelConfig(tp=2), batch, path), tmp_path)[0]
+    uninterrupted = create_strategy(config())
+    uninterrupted.train_step(batch, POLICY_LOSS)
+    want = train(uninterrupted, batch, POLICY_LOSS)
+
+    resumed = run_on_ranks(resume_on_rank, 2, (ParallelConfig(), batch, path), tmp_path)
+    check_same_training(resumed, want, POLICY_METRICS, batch.batch["response_mask"])
+    one = create_strategy(config())
+    one.load_checkpoint(path)
+    check_same_training([train(one, batch, POLICY_LOSS)], want, POLICY_METRICS, batch.batch["response_mask"])
+
+    exported = create_strategy(config(model=path)).forward(batch)  # transformers' from_pretrained on the directory
+    torch.testing.assert_close(exported.batch["log_probs"], saved["log_probs"], atol=1e-5, rtol=1e-5)

@@ -159,9 +159,7 @@ class Fsdp2Strategy(TorchStrategy):
             for name, value in state.items():
                 target = own[name]
                 if isinstance(target, DTensor):
-                    value = DTensor.from_local(value.to(self.device), target.device_mesh, [_replicate()] * target.device_mesh.ndim)
-                    value = value.redistribute(target.device_mesh, target.placements)
-                    target.to_local().copy_(value.to_local())
+                    target.to_local().copy_(self._shard_like(value, target).to_local())
                 else:
                     target.copy_(value)
 
@@ -174,16 +172,20 @@ class Fsdp2Strategy(TorchStrategy):
     def _rank_suffix(self) -> str:
         return f"_rank{self.rank}"
 
-    def _optimizer_state(self) -> dict:
-        """This rank's shard of the optimizer state, as plain local tensors."""
-        state = self.optimizer.state_dict()
-        state["state"] = {
-            index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
-            for index, entry in state["state"].items()
-        }
-        return state
+    def _whole_tensor(self, tensor):
+        if not isinstance(tensor, DTensor):
+            return tensor
+        whole = tensor.full_tensor()  # a collective: every rank gathers each state tensor in the same order
+        return whole.cpu() if self._is_writer() else None
 
-    def _load_optimizer_state(self, state: dict) -> None:
+    def _shard_like(self, value, param: torch.Tensor):
+        if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0):
+            return super()._shard_like(value, param)
+        whole = DTensor.from_local(value.to(self.device), param.device_mesh, [_replicate()] * param.device_mesh.ndim)
+        return whole.redistribute(param.device_mesh, param.placements)
+
+    def _load_optimizer_shard(self, state: dict) -> None:
+        """A checkpoint saved before whole-tensor optimizer states: this rank's shard, for the same layout only."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         for index, entry in state["state"].items():
             param = params[index]

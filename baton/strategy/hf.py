@@ -361,7 +361,9 @@ class TorchStrategy:
                 if self.scheduler is not None:
                     save_state(os.path.join(partial, "scheduler.state"), self.scheduler.state_dict())
             if self.optimizer is not None:
-                save_state(os.path.join(partial, f"optimizer{self._rank_suffix()}.state"), self._optimizer_state())
+                optimizer_state = self._optimizer_state()  # every rank takes part
+                if self._is_writer():
+                    save_state(os.path.join(partial, "optimizer.state"), optimizer_state)
             save_state(os.path.join(partial, f"rng{self._rank_suffix()}.state"), self._rng_state())
             self._barrier()
             if self._is_writer():
@@ -381,12 +383,16 @@ class TorchStrategy:
         self.load_model_weights(path)
         with open(os.path.join(path, "trainer_state.json")) as f:
             self.global_step = json.load(f)["global_step"]
-        optimizer_file = os.path.join(path, f"optimizer{self._rank_suffix()}.state")
-        if has_state(optimizer_file):
+        optimizer_file = os.path.join(path, "optimizer.state")
+        own_shard = os.path.join(path, f"optimizer{self._rank_suffix()}.state")  # fsdp2 before whole-tensor states
+        if has_state(optimizer_file) or (self._rank_suffix() and has_state(own_shard)):
             self._ensure_optimizer()
-            self._load_optimizer_state(load_state(optimizer_file))
+            if has_state(optimizer_file):
+                self._load_optimizer_state(load_state(optimizer_file))
+            else:
+                self._load_optimizer_shard(load_state(own_shard))
             self.scheduler.load_state_dict(load_state(os.path.join(path, "scheduler.state")))
-        self._set_rng_state(load_state(os.path.join(path, f"rng{self._rank_suffix()}.state")))
+        self._set_rng_state(load_state(self._rng_file(path)))
 
     def load_model_weights(self, path: str) -> None:
         """The model of checkpoint `path`: its full weights, or (a LoRA role) its adapter on this role's base."""
@@ -421,10 +427,59 @@ class TorchStrategy:
             save_tokenizer(self.tokenizer, path)
 
     def _optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
+        """The optimizer's state by parameter name, in whole tensors, so that any layout loads it: {"state": {name:
+        {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]} (on the writer; others: {})."""
+        state = self.optimizer.state_dict()
+        names = self._optimizer_param_names()
+        whole = {names[index]: {key: self._whole_tensor(value) for key, value in entry.items()}
+                 for index, entry in sorted(state["state"].items())}
+        if not self._is_writer():
+            return {}
+        groups = [{**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]]
+        return {"state": whole, "param_groups": groups}
 
     def _load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        """Load what `_optimizer_state` saved (or, from checkpoints before it, torch's state_dict keyed by index)."""
+        names = self._optimizer_param_names()
+        if not all(isinstance(name, str) for group in state["param_groups"] for name in group["params"]):
+            self.optimizer.load_state_dict(state)
+            return
+        index = {name: i for i, name in enumerate(names)}
+        saved = [name for group in state["param_groups"] for name in group["params"]]
+        if sorted(saved) != sorted(names):
+            missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+            raise ValueError(f"the checkpoint's optimizer state is for other parameters (missing {missing[:3]}, extra "
+                             f"{extra[:3]}); it was saved by a different model or LoRA setting")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict({
+            "state": {index[name]: {key: self._shard_like(value, params[index[name]]) for key, value in entry.items()}
+                      for name, entry in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]],
+        })
+
+    def _optimizer_param_names(self) -> list[str]:
+        """The names of the optimizer's parameters, in its order."""
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        return [names[id(param)] for group in self.optimizer.param_groups for param in group["params"]]
+
+    def _whole_tensor(self, tensor):
+        """A state tensor of the whole parameter (sharded strategies gather it; every rank takes part)."""
+        return tensor
+
+    def _shard_like(self, value, param: torch.Tensor):
+        """A whole state tensor as this rank's part of `param`'s layout."""
+        return value.to(param.device) if torch.is_tensor(value) and value.dim() > 0 else value
+
+    def _load_optimizer_shard(self, state: dict) -> None:
+        raise ValueError("this checkpoint holds per-rank optimizer shards, which only a sharded strategy loads")
+
+    def _rng_file(self, path: str) -> str:
+        """This rank's RNG state file, or where the checkpoint was saved by another number of ranks, its first one."""
+        for name in (f"rng{self._rank_suffix()}.state", "rng.state", "rng_rank0.state"):
+            if has_state(os.path.join(path, name)):
+                return os.path.join(path, name)
+        raise FileNotFoundError(f"{path} has no RNG state file (rng.state); it is not a complete baton checkpoint")
 
     def _rng_state(self) -> dict:
         return {
