@@ -20,6 +20,7 @@ from baton.pipelines.preflight import check_roles
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig, create_strategy
 from baton.strategy.base import LoraConfig
+from baton.data.shards import WeightPiece
 from baton.strategy.hf import TorchStrategy
 from baton.workers import BaseModelReference
 from baton.workers.weight_sync import WeightSyncError
@@ -204,10 +205,13 @@ def test_a_resumed_lora_run_with_a_kl_loss_continues_exactly(tmp_path):
 
 
 def test_a_sync_that_sends_the_unmerged_base_fails_loudly(tmp_path, monkeypatch):
-    def base_weights_only(self, bucket_bytes=256 << 20):  # the bug this guards against: the adapter left out
-        yield {n.replace(".base_layer", ""): t for n, t in self.hf_model.state_dict().items() if ".lora_" not in n}
+    def base_weights_only(self):  # the bug this guards against: the adapter left out
+        for name, tensor in self.hf_model.state_dict().items():
+            if ".lora_" not in name:
+                yield WeightPiece(name.replace(".base_layer", ""), tensor, tuple(tensor.shape), tensor.dtype)
 
-    monkeypatch.setattr(TorchStrategy, "export_weights", base_weights_only)
+    # What was sent arrives (the fingerprints agree); the probe's forward pass sees that it is not the trained model.
+    monkeypatch.setattr(TorchStrategy, "weight_pieces", base_weights_only)
     with pytest.raises(WeightSyncError, match="did not receive the trained weights"):
         run_pipeline(RLVRPipeline, lora_rlvr(tmp_path, num_steps=2))
 

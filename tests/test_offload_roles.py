@@ -30,10 +30,10 @@ from baton.workers import ActorWorker, ReferenceWorker, RolloutWorker, TeacherWo
 from baton.tracking import read_metrics, run_metrics
 
 CALLS: list[tuple[str, str]] = []  # (role, strategy method), in call order
-RECORDED = ("generate", "forward", "top_k_log_probs", "train_step", "export_weights", "import_weights", "offload",
+RECORDED = ("generate", "forward", "top_k_log_probs", "train_step", "weight_pieces", "import_weights", "offload",
             "reload", "save_checkpoint")
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-COMPUTE = {"generate", "forward", "top_k_log_probs", "train_step", "export_weights", "import_weights",
+COMPUTE = {"generate", "forward", "top_k_log_probs", "train_step", "weight_pieces", "import_weights",
            "save_checkpoint"}
 
 
@@ -135,7 +135,7 @@ STEP = [("rollout", "generate"),
         ("rollout", "offload"), ("actor", "reload"), ("reference", "reload"),
         ("reference", "forward"), ("actor", "train_step"),
         ("reference", "offload"), ("rollout", "reload"),
-        ("actor", "export_weights"), ("rollout", "import_weights"), ("actor", "forward"), ("rollout", "forward"),
+        ("actor", "weight_pieces"), ("rollout", "import_weights"), ("actor", "forward"), ("rollout", "forward"),
         ("actor", "offload")]
 
 
@@ -143,7 +143,7 @@ def test_the_rollout_and_the_training_roles_take_turns_on_their_device(tmp_path,
     summary = run_pipeline(MarksSteps, grpo(tmp_path, True))
     first, second, third, after = steps(calls)
     # Built on the device; the first validation offloads the actor and reference before the rollout generates.
-    built = [("actor", "export_weights"), ("rollout", "import_weights"), ("actor", "forward"), ("rollout", "forward")]
+    built = [("actor", "weight_pieces"), ("rollout", "import_weights"), ("actor", "forward"), ("rollout", "forward")]
     assert first == built + [("actor", "offload"), ("reference", "offload"), ("rollout", "generate")] + STEP
     assert second == third == STEP
     # The last step's validation finds the rollout awake; its checkpoint reloads the actor, whose state it saves.

@@ -22,7 +22,7 @@ from baton.rewards import get_reward_fn
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 from baton.strategy.hf import HFStrategy
 from baton.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutWorker
-from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, probe_batch
+from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, assembled_buckets, probe_batch
 
 TEXTS = ["12+7=19", "3*4=12", "100-1=99", "8/2=4", "5+5=10", "7*7=49", "2+2=4", "9-3=6"]
 RESPONSE_LEN = 3  # the last 3 characters of each text are its "response"
@@ -76,15 +76,9 @@ def prompts_of(batch: DataProto) -> DataProto:
     return DataProto.from_dict({"input_ids": batch.batch["prompts"], "attention_mask": batch.batch["attention_mask"][:, :prompt_len]})
 
 
-def fetch_weights(buckets: list) -> dict[str, torch.Tensor]:
-    """The full weights from `export_weights`' buckets (object refs on Ray, fetched here for the test's checks)."""
-    import ray
-
-    tensors = {}
-    for bucket in buckets:
-        bucket = ray.get(bucket) if isinstance(bucket, ray.ObjectRef) else bucket
-        tensors.update({name: tensor.clone() for name, tensor in bucket.tensors.items()})
-    return tensors
+def fetch_weights(shards: list) -> dict[str, torch.Tensor]:
+    """The whole weights from every rank's `export_weights` (object refs on Ray, fetched and put together here)."""
+    return {name: tensor.clone() for bucket in assembled_buckets(shards) for name, tensor in bucket.items()}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -179,10 +173,11 @@ def test_weight_sync_from_fsdp2_to_hf_rollouts_is_checked(make_manager):
     try:
         for step in range(2):
             actor.train_step(train_batch(5, shift=step), pg_loss)
-        refs = actor.export_weights(1 << 16)
-        assert len(refs) > 1 and all(isinstance(ref, ray.ObjectRef) for ref in refs)  # the driver holds references only
+        shards = actor.export_weights(1 << 16)  # every rank sends its rows; the driver holds references only
+        assert len(shards) == 2 and all(len(part.buckets) > 1 for part in shards)
+        assert all(isinstance(ref, ray.ObjectRef) for part in shards for ref in part.buckets)
         reference = HFStrategy(strategy_config("hf", seed=7))
-        reference.import_weights(bucket.tensors for bucket in ray.get(refs))
+        reference.import_weights(assembled_buckets(shards))
         want = reference.generate(prompts, GREEDY).batch["responses"]
 
         for rollout in (rollout_one, rollout_two):
@@ -197,8 +192,10 @@ def test_weight_sync_from_fsdp2_to_hf_rollouts_is_checked(make_manager):
 
         # Rank 1 of the two-worker rollout corrupts what it receives: the probe (split over both ranks) catches it.
         rollout_two.set_corrupt_rank(1)
-        with pytest.raises(WeightSyncError):
-            ModelUpdatePair(actor, rollout_two, probe=probe).sync()
+        with pytest.raises(WeightSyncError, match=r"worker 1 serves other values .* \(model.layers.0.mlp.down_proj"):
+            ModelUpdatePair(actor, rollout_two, probe=None).sync()  # the fingerprints, without the probe
+        with pytest.raises(WeightSyncError, match="differ by up to"):
+            ModelUpdatePair(actor, rollout_two, probe=probe).check()
         rollout_two.set_corrupt_rank(None)
         ModelUpdatePair(actor, rollout_two, probe=probe).sync()
     finally:

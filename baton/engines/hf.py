@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from baton.data import DataProto
+from baton.data.shards import fingerprint
 from baton.engines.loop import LoopThread
 from baton.engines.protocol import GenerationRequest, GenerationResult, ServedEngine
 from baton.engines.serving import Sequence, ServingLoop
@@ -140,6 +141,15 @@ class HFEngine(ServingLoop):
             self.model.load_state_dict({k: v.to(self.device) for k, v in bucket.items()}, strict=False)
         self._weight_version = version
 
+    async def fingerprints(self, names: list[str]) -> dict[str, int]:
+        """`baton.data.shards.fingerprint` of each named weight the model serves, between two steps."""
+        return await self._run(self._fingerprints, names)
+
+    @torch.no_grad()
+    def _fingerprints(self, names: list[str]) -> dict[str, int]:
+        state = self.model.state_dict()
+        return {name: fingerprint(state[name]) for name in names if name in state}
+
     async def share_weights(self, model: torch.nn.Module, version: int) -> None:
         """Point the engine's parameters at `model`'s tensors (a model of the same architecture in this process: an
         actor's), as weight `version`, between two steps: nothing is copied, and `model`'s in-place updates are the
@@ -182,4 +192,8 @@ def serve(config: StrategyConfig, max_num_seqs: int = 256) -> ServedEngine:
     def share_weights(strategy, version: int) -> None:  # an `hf` strategy's model in this process
         runner.run(engine.share_weights(strategy.hf_model, version), PROBE_TIMEOUT_S)
 
-    return ServedEngine(engine, runner, log_probs, share_weights)
+    def fingerprints(names: list[str]) -> dict[str, int]:
+        return runner.run(engine.fingerprints(names), PROBE_TIMEOUT_S)
+
+    return ServedEngine(engine, runner, log_probs, share_weights, fingerprints,
+                        str(engine.model.dtype).removeprefix("torch."))

@@ -174,9 +174,16 @@ class ServedEngine:
         of the same backend in this process (`Capabilities.shares_weights`: an engine colocated with an actor rank),
         as weight `version`, between two steps; nothing is copied and the actor's updates need no sync after. None:
         the engine holds its own copy of the weights.
+    fingerprints: `(names) -> {name: fingerprint}` of the weights the engine serves (`baton.data.shards.fingerprint`),
+        computed where they live between two steps: what a sync checks delivered. None: the engine computes none (the
+        probe checks a sync).
+    weight_dtype: the dtype of the engine's floating weights, which a sync sends ("float32", ...); None: as the
+        source holds them.
     """
 
     engine: Engine
     runner: LoopThread
     log_probs: Callable[[DataProto, float], DataProto]
     share_weights: Callable[[Any, int], None] | None = None
+    fingerprints: Callable[[list[str]], dict[str, int]] | None = None
+    weight_dtype: str | None = None

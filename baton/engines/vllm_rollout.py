@@ -186,6 +186,15 @@ class VLLMRollout:
         self._check_awake("import_weights")
         self.runner.run(self.engine.update_weights(buckets, self.engine.weight_version + 1))
 
+    def weight_fingerprints(self, names: list[str]) -> None:
+        """None: vLLM holds its weights fused and resharded under its own names; a sync into it is probe-checked."""
+        return None
+
+    @property
+    def weight_dtype(self) -> None:
+        """None: a sync sends the weights as the source holds them, and vLLM casts them as it loads."""
+        return None
+
     def import_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
         """Serve the base weights with this LoRA adapter (peft's names and adapter_config.json; see
         `VLLMEngine.update_adapter`), as weight version + 1."""

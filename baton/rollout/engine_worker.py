@@ -16,13 +16,14 @@ import time
 from dataclasses import dataclass
 
 from baton.data import DataProto
+from baton.data.shards import WeightShards
 from baton.config import import_object
 from baton.distributed import Dispatch, Worker, register
 from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationResult, ServedEngine
 from baton.strategy import StrategyConfig
 from baton.strategy.capabilities import backends_that, capabilities
 from baton.strategy.logprobs import sampling_temperature
-from baton.workers.model import _fetch
+from baton.workers.weight_sync import assembled_buckets
 
 CONTROL_TIMEOUT_S = 120.0  # abort, pause, health, sleep: each returns at a decode-step boundary
 WEIGHT_SYNC_TIMEOUT_S = 600.0  # one weight update, copies included
@@ -117,12 +118,24 @@ class EngineWorker(Worker):
         return self.engine.weight_version
 
     @register(Dispatch.ONE_TO_ALL)
-    def import_weights(self, buckets: list, version: int | None = None) -> None:
-        """Load buckets made by `ModelWorker.export_weights` in place, between decode steps, as weight `version`
-        (None: the engine's + 1). Requests in flight go on with the new weights."""
+    def import_weights(self, shards: list[WeightShards], version: int | None = None) -> None:
+        """Load every source rank's `ModelWorker.export_weights` in place, a bucket (of every rank) at a time, between
+        decode steps, as weight `version` (None: the engine's + 1). Requests in flight go on with the new weights."""
         version = self.engine.weight_version + 1 if version is None else version
-        self.runner.run(self.engine.update_weights((_fetch(b).tensors for b in buckets), version),
-                        timeout_s=WEIGHT_SYNC_TIMEOUT_S)
+        self.runner.run(self.engine.update_weights(assembled_buckets(shards), version), timeout_s=WEIGHT_SYNC_TIMEOUT_S)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
+        """The fingerprints of the named weights the engine serves, computed between two of its steps (None: this
+        backend's engine computes none)."""
+        if self.served.fingerprints is None:
+            return None
+        return self.served.fingerprints(names)
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def weight_dtype(self) -> str | None:
+        """The dtype of the engine's floating weights, which a sync into it sends (None: as the source holds them)."""
+        return self.served.weight_dtype
 
     @register(Dispatch.ONE_TO_ALL)
     def share_weights_with(self, role: str, version: int) -> None:

@@ -12,7 +12,7 @@ from baton.distributed import Cluster
 from baton.rollout.engine_worker import WEIGHT_SYNC_TIMEOUT_S
 from baton.rollout.functions import RolloutStalledError
 from baton.rollout.pool import EnginePool
-from baton.workers.weight_sync import ModelUpdatePair
+from baton.workers.weight_sync import ModelUpdatePair, check_fingerprints
 
 
 class WeightPublisher:
@@ -31,7 +31,8 @@ class WeightPublisher:
         self.probe, self.probe_atol, self.share_role = probe, probe_atol, share_role
         self.engines_on_gpu, self._said_cpu_offload = engines_on_gpu, False
         self._num_syncs = 0  # weight syncs so far in this process: the probe checks every `probe_every_syncs`-th
-        self._buckets: list | None = None  # the last weights sent, for an engine that restarts
+        self._shards: list | None = None  # the last weights sent (every actor rank's), for an engine that restarts
+        self._dtype: str | None = None  # the engines' weight dtype (what a sync sends), asked on the first sync
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-check")
         self._weight_check: concurrent.futures.Future | None = None  # the last sync's probe, scored meanwhile
         pool.on_restart = self._resync
@@ -56,10 +57,13 @@ class WeightPublisher:
             for engine in self.engines:
                 engine.share_weights_with(self.share_role, version)
         else:
-            buckets = actor.export_weights(bucket_bytes)
+            if first and self.engines:
+                self._dtype = self.engines[0].weight_dtype()
+            shards = actor.export_weights(bucket_bytes, self._dtype)
             for engine in self.engines:
-                engine.import_weights(buckets, version)
-            self._buckets = buckets
+                engine.import_weights(shards, version)
+                check_fingerprints(actor.name, engine, shards)
+            self._shards = shards
         self.pool.set_version(version)
         if ours is not None:
             check = functools.partial(_check_weights, pairs, ours)
@@ -83,8 +87,8 @@ class WeightPublisher:
 
     def _resync(self, index: int) -> None:
         """A restarted engine gets the weights the others have."""
-        if self._buckets is not None:
-            self.engines[index].import_weights(self._buckets, self.pool.version)
+        if self._shards is not None:
+            self.engines[index].import_weights(self._shards, self.pool.version)
 
     def offload(self) -> None:
         """Engines sleep before training on devices they share (on CPU this frees nothing; said once)."""

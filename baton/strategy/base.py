@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
 from baton.config.paths import absolute_if_found
 from baton.data import DataProto
+
+if TYPE_CHECKING:
+    from baton.data.shards import WeightPiece
 
 
 @dataclass
@@ -290,10 +293,20 @@ class ModelStrategy(Protocol):
         """log_probs and entropy (causal LMs) or values (critics) of the response tokens, no gradients."""
 
     def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Full (unsharded) parameters in HF names, in buckets of about `bucket_bytes`."""
+        """Full (unsharded) parameters in HF names, in buckets of about `bucket_bytes`, on the writer rank."""
+
+    def weight_pieces(self) -> Iterator["WeightPiece"]:
+        """Every weight in HF names with this rank's rows of it (what a weight sync sends: `baton.data.shards`)."""
 
     def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Load full parameters (any subset, in HF names)."""
+
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
+        """`baton.data.shards.fingerprint` of each named weight held (None: not computed, e.g. sharded)."""
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype of the floating weights, which a sync into this model sends (None: as the source holds them)."""
 
     def save_checkpoint(self, path: str) -> None:
         """Model (HF format), optimizer, scheduler and RNG state, written atomically."""
@@ -317,6 +330,11 @@ class RolloutStrategy(Protocol):
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto: ...
 
     def import_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None: ...
+
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None: ...
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None: ...
 
     def offload(self) -> None: ...
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from baton.data import DataProto
+from baton.data.shards import WeightPiece
 from baton.distributed.rendezvous import init_process_group
 from baton.strategy.context_parallel import use_ulysses_attention
 from baton.strategy.hf import TorchStrategy, default_device
@@ -129,6 +132,29 @@ class Fsdp2Strategy(TorchStrategy):
             filler.meta_info["baton_padding"] = True
             pieces.append(filler)
         return pieces
+
+    def weight_pieces(self) -> Iterator[WeightPiece]:
+        """Each weight's rows as this rank holds them once laid out by rows over its mesh (a sharded weight is
+        redistributed, an all-to-all at most, never gathered whole); a rank sends them where no lower rank holds the
+        same rows (the first of a weight's replicas, the one holding rank 0)."""
+        tied = self._tied_names()
+        for name, tensor in self.hf_model.state_dict().items():
+            first = tied.get(name, name)
+            shape = tuple(tensor.shape)
+            if first != name:
+                yield WeightPiece(name, None, shape, tensor.dtype, 0, first)
+            elif isinstance(tensor, DTensor) and tensor.dim() > 0:
+                mesh = tensor.device_mesh
+                by_rows = tensor.redistribute(mesh, [Shard(0)] * mesh.ndim)
+                _, offset = compute_local_shape_and_global_offset(shape, mesh, by_rows.placements)
+                sends = bool((mesh.mesh == 0).any())
+                yield WeightPiece(name, by_rows.to_local() if sends else None, shape, tensor.dtype, offset[0])
+            else:
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                yield WeightPiece(name, whole if self.rank == 0 else None, shape, tensor.dtype)
+
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
+        return None  # a sharded model's weights are not computed here; a sync into one is probe-checked
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU.

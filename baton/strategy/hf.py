@@ -26,6 +26,7 @@ import torch
 from baton.algorithms.aggregation import LOSS_UNITS, count_loss_units
 from baton.checkpoint import has_state, load_state, save_state, writing
 from baton.data import DataProto
+from baton.data.shards import WeightPiece, fingerprint
 from baton.models import build_model, load_tokenizer, model_config, save_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.head import RLHead
@@ -281,6 +282,8 @@ class TorchStrategy:
     # --- weights -----------------------------------------------------------------------------------
 
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole weights in HF names (with LoRA, merged), in buckets of about `bucket_bytes`, on the writer rank
+        (a sharded model gathers them there: for checks and in-process use; a weight sync sends `weight_pieces`)."""
         bucket, size = {}, 0
         for name, tensor in self._full_state_dict().items():
             bucket[name] = tensor
@@ -290,6 +293,33 @@ class TorchStrategy:
                 bucket, size = {}, 0
         if bucket:
             yield bucket
+
+    def weight_pieces(self) -> Iterator[WeightPiece]:
+        """Every weight in HF names (with LoRA, merged), in the same order on every rank, with this rank's rows of it
+        or None (what a weight sync sends, `baton.data.shards`). One process: every weight whole; tied names once
+        (the others as aliases)."""
+        tied = self._tied_names()
+        for name, tensor in self._full_state_dict().items():
+            first = tied.get(name, name)
+            yield WeightPiece(name, tensor if first == name else None, tuple(tensor.shape), tensor.dtype, 0,
+                              None if first == name else first)
+
+    def _tied_names(self) -> dict[str, str]:
+        """Each weight name → the first name of the parameter it is (the embeddings and a tied LM head share one)."""
+        first: dict[int, str] = {}
+        return {name: first.setdefault(id(param), name)
+                for name, param in self.hf_model.named_parameters(remove_duplicate=False)}
+
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
+        """`baton.data.shards.fingerprint` of each named weight this model serves (a sync's destination proves with
+        them which values it holds); None where the model is sharded (not computed)."""
+        state = self.hf_model.state_dict()
+        return {name: fingerprint(state[name]) for name in names if name in state}
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of this model's floating weights: what a weight sync into it sends."""
+        return self.config.torch_dtype
 
     def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The LoRA adapter alone (`adapter_state`: peft's tensors and adapter_config.json), for a rollout that serves

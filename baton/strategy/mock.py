@@ -17,6 +17,7 @@ import torch
 from baton.algorithms.aggregation import count_loss_units
 from baton.checkpoint import load_state, save_state, writing
 from baton.data import DataProto
+from baton.data.shards import WeightPiece, fingerprint
 from baton.models import load_tokenizer
 from baton.strategy.base import LossFn, SamplingParams, StrategyConfig, metric_sum_count
 from baton.strategy.sampling import generation_output
@@ -89,12 +90,23 @@ class MockStrategy:
         self._check_on_device("export_weights")
         yield {"scalar": self.scalar.detach().clone()}
 
+    def weight_pieces(self):
+        self._check_on_device("export_weights")
+        yield WeightPiece("scalar", self.scalar.detach().clone(), tuple(self.scalar.shape), self.scalar.dtype)
+
     def import_weights(self, buckets) -> None:
         self._check_on_device("import_weights")
         for bucket in buckets:
             if set(bucket) != {"scalar"}:
                 raise ValueError(f"the mock strategy holds one weight, 'scalar'; got {sorted(bucket)}")
             self.scalar.data.copy_(bucket["scalar"])
+
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
+        return {name: fingerprint(self.scalar) for name in names if name == "scalar"}
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.scalar.dtype
 
     def offload(self) -> None:
         """Nothing lives on an accelerator; until `reload`, the calls that touch the weights refuse."""

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
 from baton.data import DataProto, TensorBucket
+from baton.data.shards import WeightShards, bucket_fingerprints, pieces_buckets
 from baton.distributed import Dispatch, Worker, register
 from baton.strategy import StrategyConfig, create_strategy
 from baton.strategy.logprobs import sampling_temperature
+from baton.workers.weight_sync import assembled_buckets, fetch_bucket, put_bucket
 
 
 class ModelWorker(Worker):
@@ -23,34 +27,45 @@ class ModelWorker(Worker):
         (`sampling_temperature`: the rollout's record; 1 for responses that were not sampled)."""
         return self.strategy.forward(batch, temperature=sampling_temperature(batch))
 
-    @register(Dispatch.ONE_TO_ALL_ONE)
-    def export_weights(self, bucket_bytes: int = 256 << 20) -> list:
-        """Every rank takes part (sharded strategies gather); rank 0 returns the buckets: on Ray as
-        object-store refs (the driver never holds the weights), in-process as `TensorBucket`s."""
-        buckets = []
-        for tensors in self.strategy.export_weights(bucket_bytes):
-            if tensors:
-                bucket = TensorBucket(tensors)
-                buckets.append(_put(bucket) if self.context.backend == "ray" else bucket)
-        return buckets
+    @register(Dispatch.ONE_TO_ALL)
+    def export_weights(self, bucket_bytes: int = 256 << 20, dtype: str | None = None) -> WeightShards:
+        """Every rank's part of the weights (the strategy's `weight_pieces`: a sharded model's ranks each send their
+        rows, nobody gathers the whole model), with its pieces' fingerprints: on Ray as object-store refs (the driver
+        never holds the weights), in-process as `TensorBucket`s. `dtype`: the destination's (`weight_dtype`)."""
+        shards = WeightShards([])
+        pieces = self.strategy.weight_pieces()
+        for bucket in pieces_buckets(pieces, bucket_bytes, self.world_size, None if dtype is None else getattr(torch, dtype)):
+            shards.fingerprints.update(bucket_fingerprints(bucket))
+            shards.buckets.append(put_bucket(bucket, self.context.backend))
+        return shards
 
     @register(Dispatch.ONE_TO_ALL)
-    def import_weights(self, buckets: list) -> None:
-        """Load buckets made by `export_weights`, one at a time."""
-        self.strategy.import_weights(_fetch(b).tensors for b in buckets)
+    def import_weights(self, shards: list[WeightShards]) -> None:
+        """Load every source rank's `export_weights`, one bucket (of every rank) at a time."""
+        self.strategy.import_weights(assembled_buckets(shards))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
+        """The fingerprints of the named weights this worker serves (None: its strategy computes none)."""
+        return self.strategy.weight_fingerprints(names)
+
+    @register(Dispatch.ONE_TO_ALL_ONE)
+    def weight_dtype(self) -> str | None:
+        """The dtype of this model's floating weights, which a sync into it sends (None: as the source holds them)."""
+        dtype = self.strategy.weight_dtype
+        return None if dtype is None else str(dtype).removeprefix("torch.")
 
     @register(Dispatch.ONE_TO_ALL_ONE)
     def export_adapter(self) -> tuple:
         """A LoRA role's adapter: (its tensors as one bucket, an object-store ref on Ray; adapter_config.json's dict)."""
         tensors, config = self.strategy.export_adapter()
-        bucket = TensorBucket(tensors)
-        return (_put(bucket) if self.context.backend == "ray" else bucket), config
+        return put_bucket(TensorBucket(tensors), self.context.backend), config
 
     @register(Dispatch.ONE_TO_ALL)
     def import_adapter(self, adapter: tuple) -> None:
         """Serve an adapter made by `export_adapter` on this role's base weights."""
         bucket, config = adapter
-        self.strategy.import_adapter(_fetch(bucket).tensors, config)
+        self.strategy.import_adapter(fetch_bucket(bucket).tensors, config)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, overwrite: bool = False) -> None:
@@ -67,17 +82,3 @@ class ModelWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def reload(self) -> None:
         self.strategy.reload()
-
-
-def _put(bucket: TensorBucket):
-    import ray
-
-    return ray.put(bucket)
-
-
-def _fetch(bucket):
-    if isinstance(bucket, TensorBucket):
-        return bucket
-    import ray
-
-    return ray.get(bucket)

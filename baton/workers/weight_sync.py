@@ -1,17 +1,25 @@
 """Weight sync from a training cluster to an inference cluster (ROLL's model-update pair), checked after every sync.
 
-The source cluster's rank 0 puts the full weights, a bucket at a time, in Ray's object store (all
-ranks help gather sharded weights); every destination worker fetches the buckets itself, so the
-clusters may differ in world size and strategy and the driver only ever holds references. When
-the two roles share a process (`create_colocated_clusters`) the destination points its parameters
-at the source's tensors instead: nothing is copied.
+Every source rank puts its own part of the weights, a bucket at a time, in Ray's object store (a sharded model's
+ranks each their rows, `baton.data.shards`; no rank gathers the whole model); every destination worker fetches
+bucket k of every rank, puts the weights together and loads them, so the clusters may differ in world size and
+strategy and the driver only ever holds references. On one node the object store is shared memory: a destination
+reads the pieces in place and copies them once, into its parameters. The destination then proves what it serves:
+the fingerprints of its weights, computed where they live, must equal the source's of what it sent
+(`check_fingerprints`); the forward-pass probe stays as an option. When the two roles share a process
+(`create_colocated_clusters`) the destination points its parameters at the source's tensors instead: nothing is
+copied.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
-from baton.data import DataProto
+import torch
+
+from baton.data import DataProto, TensorBucket
+from baton.data.shards import WeightShards, assemble, differing, joined_fingerprints
 from baton.distributed import Cluster
 
 
@@ -37,6 +45,7 @@ class ModelUpdatePair:
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
         self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
         self.num_syncs = 0
+        self._dtype: str | None = None  # the destination's weight dtype, asked on the first sync
 
     def source_log_probs(self):
         """The source's log-probs on the probe's tokens (what `check` compares the destination's with)."""
@@ -44,13 +53,18 @@ class ModelUpdatePair:
 
     def sync(self) -> dict[str, float]:
         start = time.perf_counter()
+        metrics = {}
         if self.share_role is not None:
             self.dst.share_weights_with(self.share_role)
         elif self.adapter_only:
             self.dst.import_adapter(self.src.export_adapter())
         else:
-            self.dst.import_weights(self.src.export_weights(self.bucket_bytes))
-        metrics = {"timing_s/weight_sync": time.perf_counter() - start}
+            if self.num_syncs == 0:
+                self._dtype = self.dst.weight_dtype()
+            shards = self.src.export_weights(self.bucket_bytes, self._dtype)
+            self.dst.import_weights(shards)
+            check_fingerprints(self.src.name, self.dst, shards)
+        metrics["timing_s/weight_sync"] = time.perf_counter() - start
         if self.probe is not None and (self.share_role is None or self.num_syncs == 0):
             metrics["weight_sync/max_logprob_diff"] = self.check()
         self.num_syncs += 1
@@ -72,6 +86,25 @@ class ModelUpdatePair:
         return diff
 
 
+def check_fingerprints(source: str, dst: Cluster, shards: list[WeightShards]) -> int:
+    """Every destination worker's fingerprints of the weights a sync sent against the source's (`shards`); raises
+    `WeightSyncError` naming the weights that differ. Returns how many weights were compared on each worker that
+    computes fingerprints (0 where none does: vLLM, sharded models, which the probe checks instead)."""
+    expected = joined_fingerprints(shards)
+    compared = 0
+    for worker, served in enumerate(dst.weight_fingerprints(sorted(expected))):
+        if served is None:
+            continue
+        wrong = differing(expected, served)
+        if wrong:
+            raise WeightSyncError(
+                f"after syncing {source!r} → {dst.name!r}, worker {worker} serves other values than were sent for "
+                f"{len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''}) "
+                "by their fingerprints: the sync did not deliver them")
+        compared = len(expected)
+    return compared
+
+
 def probe_batch(tokenizer, texts: list[str], response_len: int) -> DataProto:
     """A probe from plain texts: each text's last `response_len` tokens are the response (texts left-padded)."""
     tokenizer.padding_side = "left"
@@ -86,4 +119,33 @@ def probe_batch(tokenizer, texts: list[str], response_len: int) -> DataProto:
     }, meta_info={"temperature": 1.0})
 
 
-__all__ = ["ModelUpdatePair", "WeightSyncError", "probe_batch"]
+def put_bucket(bucket: TensorBucket, backend: str):
+    """`bucket` as a worker returns it: an object-store reference on Ray (the driver never holds weights), else
+    itself."""
+    if backend != "ray":
+        return bucket
+    import ray
+
+    return ray.put(bucket)
+
+
+def fetch_bucket(bucket) -> TensorBucket:
+    """What `put_bucket` made, as a `TensorBucket` (fetched from the object store: zero-copy on the same node)."""
+    if isinstance(bucket, TensorBucket):
+        return bucket
+    import ray
+
+    return ray.get(bucket)
+
+
+def assembled_buckets(shards: list[WeightShards]) -> Iterator[dict[str, torch.Tensor]]:
+    """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time."""
+    counts = {len(part.buckets) for part in shards}
+    if len(counts) > 1:
+        raise ValueError(f"the source ranks sent {sorted(counts)} buckets: every rank of one sync sends the same number")
+    for k in range(counts.pop() if counts else 0):
+        yield assemble([fetch_bucket(part.buckets[k]) for part in shards])
+
+
+__all__ = ["ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints", "fetch_bucket",
+           "probe_batch", "put_bucket"]

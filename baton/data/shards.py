@@ -1,0 +1,153 @@
+"""Weights in pieces: what each training rank sends in a weight sync, how a destination puts the pieces of one
+bucket back together, and the fingerprint that shows which values a destination holds.
+
+A sharded model is sent by every rank that holds a part no lower rank holds: each weight as a block of rows (dim 0)
+per sending rank, in rank order. Every rank cuts its buckets at the same weights (by the weights' whole sizes), so
+bucket k of every rank holds pieces of the same weights and a destination assembles one bucket at a time: no process
+holds more than its own shard, or the whole model, plus one bucket.
+
+A fingerprint is a sum over a tensor's elements of (the element's bits) × (a hash of its flat index), in integers
+modulo 2^64: exact and order-free, so the pieces' fingerprints, each computed where the piece lives with its global
+offset, add up to the whole tensor's, and a destination computes the same number from the tensor it serves. One
+changed element, or one tensor that kept its old values, changes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+
+from baton.data.bucket import TensorBucket
+
+_MOD = 1 << 64
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements hashed at a time: the index and product temporaries stay at 64 MiB
+
+
+def _signed(value: int) -> int:
+    return value - _MOD if value >= 1 << 63 else value
+
+
+_K1, _K2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9)  # splitmix64's constants
+
+
+def fingerprint(tensor: torch.Tensor, first: int = 0) -> int:
+    """Σ bits(x_i) · h(first + i) mod 2^64 over `tensor`'s elements in flat order, where `first` is the flat index of
+    its first element in the whole tensor it is a piece of. Computed on the tensor's device."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    bits = flat.view(_INTS[flat.element_size()])
+    total = 0
+    for start in range(0, flat.numel(), _CHUNK):
+        end = min(flat.numel(), start + _CHUNK)
+        h = torch.arange(first + start, first + end, dtype=torch.int64, device=flat.device) * _K1
+        h = (h ^ (h >> 31)) * _K2  # int64 arithmetic wraps modulo 2^64
+        total += int((bits[start:end].to(torch.int64) * h).sum())
+    return total % _MOD
+
+
+@dataclass
+class WeightShards:
+    """One source rank's part of a weight sync: its buckets (`TensorBucket`s of pieces, or object-store references to
+    them on Ray), every rank the same number, and the fingerprints of the pieces it sent, by weight name."""
+
+    buckets: list
+    fingerprints: dict[str, int] = field(default_factory=dict)
+
+
+class WeightPiece(NamedTuple):
+    """One weight as one rank sends it: `rows`, its rows from `first_row` (None: another rank sends them), the whole
+    weight's `shape` and `dtype`; a tied weight is sent once, its other names with `tied_to` set and no rows."""
+
+    name: str
+    rows: torch.Tensor | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    first_row: int = 0
+    tied_to: str | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        """The whole weight's size (every rank counts the same, whatever its rows)."""
+        return 0 if self.tied_to is not None else math.prod(self.shape) * self.dtype.itemsize
+
+    def cast(self, dtype: torch.dtype) -> "WeightPiece":
+        return self._replace(rows=None if self.rows is None else self.rows.to(dtype), dtype=dtype)
+
+
+def pieces_buckets(pieces: Iterable[WeightPiece], bucket_bytes: int, num_ranks: int,
+                   dtype: torch.dtype | None = None) -> Iterator[TensorBucket]:
+    """One rank's `pieces` (a strategy's `weight_pieces`) in buckets, cut where the weights' whole sizes reach
+    `bucket_bytes` per rank: every one of `num_ranks` ranks cuts at the same weights. `dtype`: floating weights cast
+    to it (the destination's)."""
+    bucket, size = [], 0
+    for piece in pieces:
+        if dtype is not None and piece.dtype.is_floating_point:
+            piece = piece.cast(dtype)
+        bucket.append(piece)
+        size += piece.num_bytes
+        if size >= bucket_bytes * num_ranks:
+            yield pieces_bucket(bucket)
+            bucket, size = [], 0
+    if bucket:
+        yield pieces_bucket(bucket)
+
+
+def pieces_bucket(pieces: list[WeightPiece]) -> TensorBucket:
+    """A bucket of the rows this rank sends of `pieces`, with their weights' shapes and first rows and the tied
+    names."""
+    sent = [piece for piece in pieces if piece.rows is not None]
+    return TensorBucket({piece.name: piece.rows.detach().cpu() for piece in sent},
+                        shapes={piece.name: piece.shape for piece in sent},
+                        offsets={piece.name: piece.first_row for piece in sent},
+                        aliases={piece.name: piece.tied_to for piece in pieces if piece.tied_to is not None})
+
+
+def bucket_fingerprints(bucket: TensorBucket) -> dict[str, int]:
+    """The fingerprint of each piece in `bucket`, as a part of its whole weight's."""
+    return {name: fingerprint(rows, bucket.offsets.get(name, 0) * math.prod(rows.shape[1:]))
+            for name, rows in bucket.tensors.items()}
+
+
+def assemble(buckets: list[TensorBucket]) -> dict[str, torch.Tensor]:
+    """Bucket k of every source rank, in rank order → the whole weights it holds (a weight with one piece is that
+    piece, not a copy). ValueError where the pieces do not make up a weight's shape."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, str] = {}
+    for bucket in buckets:
+        for name, tensor in bucket.tensors.items():
+            pieces.setdefault(name, []).append(tensor)
+            shapes[name] = tuple(bucket.shapes.get(name, tensor.shape))
+        aliases.update(bucket.aliases)
+    whole = {}
+    for name, parts in pieces.items():
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"weight {name!r} arrived as pieces of shape {tuple(tensor.shape)}, not its "
+                             f"{shapes[name]}; the sources' buckets are not one sync's")
+        whole[name] = tensor
+    for alias, name in aliases.items():
+        if name in whole:
+            whole[alias] = whole[name]
+    return whole
+
+
+def joined_fingerprints(shards: list[WeightShards]) -> dict[str, int]:
+    """Each weight's fingerprint from every rank's pieces' (the whole tensor's, by construction)."""
+    total: dict[str, int] = {}
+    for part in shards:
+        for name, value in part.fingerprints.items():
+            total[name] = (total.get(name, 0) + value) % _MOD
+    return total
+
+
+def differing(expected: dict[str, int], served: dict[str, int]) -> list[str]:
+    """The weights whose served fingerprint is not the expected one (or is missing), sorted."""
+    return sorted(name for name, value in expected.items() if served.get(name) != value)
+
+
+__all__ = ["WeightPiece", "WeightShards", "assemble", "bucket_fingerprints", "differing", "fingerprint", "joined_fingerprints",
+           "pieces_bucket", "pieces_buckets"]
