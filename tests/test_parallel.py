@@ -14,14 +14,17 @@ from test_mixed_precision import run_on_ranks
 from test_rl_drivers import DRIVERS, settings
 from test_strategy_distributed import TEXTS
 
-from baton.data import DataProto
+from baton.data import DataProto, TensorBucket
+from baton.data.shards import (
+    WeightShards, bucket_fingerprints, differing, fingerprint, joined_fingerprints, pieces_buckets,
+)
 from baton.models import load_tokenizer
 from baton.pipelines.base import run_pipeline
 from baton.rl.losses import SFTLoss, ValueLoss
 from baton.strategy import OptimizerConfig, ParallelConfig, StrategyConfig, create_strategy
 from baton.strategy.fsdp2 import Fsdp2Strategy
 from baton.tracking import run_metrics
-from baton.workers.weight_sync import probe_batch
+from baton.workers.weight_sync import assembled_buckets, probe_batch
 
 NUM_STEPS = 3
 # name: (processes, layout); dp_shard is what the processes leave
@@ -189,3 +192,39 @@ def test_a_checkpoint_of_one_layout_resumes_in_another_and_exports_an_hf_model(b
 
     exported = create_strategy(config(model=path)).forward(batch)  # transformers' from_pretrained on the directory
     torch.testing.assert_close(exported.batch["log_probs"], saved["log_probs"], atol=1e-5, rtol=1e-5)
+
+
+# --- weight sync from every shard ------------------------------------------------------------------------------------
+
+
+def pieces_on_rank(rank: int, world_size: int, parallel: ParallelConfig) -> dict:
+    """This rank's buckets of a weight sync (as plain data) and, on the writer, the whole weights to check them by."""
+    strategy = Fsdp2Strategy(config("causal_lm", parallel))
+    buckets = [vars(bucket) for bucket in pieces_buckets(strategy.weight_pieces(), 1 << 15, world_size)]
+    return {"buckets": buckets, "whole": strategy._full_state_dict() or None}
+
+
+def test_every_rank_sends_its_rows_and_the_destination_puts_the_weights_back_together(tmp_path):
+    """tp 2 × dp 2: weights split by rows over both, by columns over tp, or replicated over tp (the norms). Each
+    rank sends a part no other sends; bucket k of every rank holds pieces of the same weights; put together they are
+    the model, and the pieces' fingerprints add up to the whole weights'."""
+    ranks = run_on_ranks(pieces_on_rank, 4, (ParallelConfig(tp=2),), tmp_path)
+    shards = [WeightShards([TensorBucket(**bucket) for bucket in rank["buckets"]]) for rank in ranks]
+    for part in shards:
+        for bucket in part.buckets:
+            part.fingerprints.update(bucket_fingerprints(bucket))
+    whole = ranks[0]["whole"]
+    assert len({len(part.buckets) for part in shards}) == 1 and len(shards[0].buckets) > 2
+    sent = [sum(t.numel() for bucket in part.buckets for t in bucket.tensors.values()) for part in shards]
+    assert sum(sent) == sum(t.numel() for name, t in whole.items() if name != "lm_head.weight")  # each element once
+    assert max(sent) < 0.3 * sum(sent)  # every rank sends about a quarter (a norm weight goes whole from rank 0)
+    assembled = {name: tensor for bucket in assembled_buckets(shards) for name, tensor in bucket.items()}
+    assert assembled.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(assembled[name], tensor), name
+    expected = joined_fingerprints(shards)
+    assert expected == {name: fingerprint(tensor) for name, tensor in whole.items() if name != "lm_head.weight"}
+    # A destination that missed one bucket serves other (older) values for exactly that bucket's weights.
+    missed = {name for part in shards for name in part.buckets[1].tensors}
+    stale = {name: fingerprint(tensor - 1e-3 if name in missed else tensor) for name, tensor in whole.items()}
+    assert differing(expected, stale) == sorted(missed)

@@ -24,42 +24,42 @@ from baton.data.bucket import TensorBucket
 
 _MOD = 1 << 64
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 22  # elements hashed at a time: the index and product temporaries stay at 64 MiB
+_PERIOD = 1 << 20  # the index hash repeats every 2^20 elements: weights apart by a multiple of it may swap unseen
+_HASHES: dict[torch.device, torch.Tensor] = {}
 
 
-def _signed(value: int) -> int:
-    return value - _MOD if value >= 1 << 63 else value
-
-
-_K1, _K2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9)  # splitmix64's constants
+def _hashes(device: torch.device) -> torch.Tensor:
+    """h(i) for i in [0, 2^20): splitmix64's finaliser of i, its high 32 bits as int32 (the same on every machine)."""
+    if device not in _HASHES:
+        h = torch.arange(_PERIOD, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15, wrapping
+        h = (h ^ ((h >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+        h = h ^ ((h >> 27) & ((1 << 37) - 1))
+        _HASHES[device] = (h >> 32).to(torch.int32).to(device)
+    return _HASHES[device]
 
 
 def fingerprint(tensor: torch.Tensor, first: int = 0) -> int:
-    """Σ bits(x_i) · h(first + i) mod 2^64 over `tensor`'s elements in flat order, where `first` is the flat index of
-    its first element in the whole tensor it is a piece of. Computed on the tensor's device."""
+    """Σ bits(x_i) · h((first + i) mod 2^20) mod 2^64 over `tensor`'s elements in flat order, where `first` is the
+    flat index of its first element in the whole tensor it is a piece of: exact integer arithmetic, so any split of a
+    tensor into pieces sums to the whole's. Computed on the tensor's device, in about two passes over it."""
     flat = tensor.detach().contiguous().reshape(-1)
     bits = flat.view(_INTS[flat.element_size()])
-    total = 0
-    for start in range(0, flat.numel(), _CHUNK):
-        end = min(flat.numel(), start + _CHUNK)
-        h = torch.arange(first + start, first + end, dtype=torch.int64, device=flat.device) * _K1
-        h = (h ^ (h >> 31)) * _K2  # int64 arithmetic wraps modulo 2^64
-        total += int((bits[start:end].to(torch.int64) * h).sum())
+    wide = torch.int64 if flat.element_size() == 8 else torch.int32  # products wrap in it; sums are exact in int64
+    hashes = _hashes(flat.device).to(wide)
+    total, start = 0, 0
+    while start < flat.numel():
+        offset = (first + start) % _PERIOD
+        end = min(flat.numel(), start + _PERIOD - offset)
+        product = bits[start:end].to(wide) * hashes[offset : offset + end - start]
+        total += int(product.sum(dtype=torch.int64))
+        start = end
     return total % _MOD
-
-
-@dataclass
-class WeightShards:
-    """One source rank's part of a weight sync: its buckets (`TensorBucket`s of pieces, or object-store references to
-    them on Ray), every rank the same number, and the fingerprints of the pieces it sent, by weight name."""
-
-    buckets: list
-    fingerprints: dict[str, int] = field(default_factory=dict)
 
 
 class WeightPiece(NamedTuple):
     """One weight as one rank sends it: `rows`, its rows from `first_row` (None: another rank sends them), the whole
-    weight's `shape` and `dtype`; a tied weight is sent once, its other names with `tied_to` set and no rows."""
+    weight's `shape` and `dtype`; a tied weight is sent once, its other names right after it with `tied_to` set and
+    no rows."""
 
     name: str
     rows: torch.Tensor | None
@@ -79,18 +79,18 @@ class WeightPiece(NamedTuple):
 
 def pieces_buckets(pieces: Iterable[WeightPiece], bucket_bytes: int, num_ranks: int,
                    dtype: torch.dtype | None = None) -> Iterator[TensorBucket]:
-    """One rank's `pieces` (a strategy's `weight_pieces`) in buckets, cut where the weights' whole sizes reach
-    `bucket_bytes` per rank: every one of `num_ranks` ranks cuts at the same weights. `dtype`: floating weights cast
-    to it (the destination's)."""
+    """One rank's `pieces` (a strategy's `weight_pieces`, each tied name right after its weight) in buckets, cut
+    where the weights' whole sizes reach `bucket_bytes` per rank: every one of `num_ranks` ranks cuts at the same
+    weights. `dtype`: floating weights cast to it (the destination's)."""
     bucket, size = [], 0
     for piece in pieces:
+        if piece.tied_to is None and size >= bucket_bytes * num_ranks:  # a tied name stays with its weight
+            yield pieces_bucket(bucket)
+            bucket, size = [], 0
         if dtype is not None and piece.dtype.is_floating_point:
             piece = piece.cast(dtype)
         bucket.append(piece)
         size += piece.num_bytes
-        if size >= bucket_bytes * num_ranks:
-            yield pieces_bucket(bucket)
-            bucket, size = [], 0
     if bucket:
         yield pieces_bucket(bucket)
 

@@ -137,12 +137,12 @@ class Fsdp2Strategy(TorchStrategy):
         """Each weight's rows as this rank holds them once laid out by rows over its mesh (a sharded weight is
         redistributed, an all-to-all at most, never gathered whole); a rank sends them where no lower rank holds the
         same rows (the first of a weight's replicas, the one holding rank 0)."""
-        tied = self._tied_names()
-        for name, tensor in self.hf_model.state_dict().items():
-            first = tied.get(name, name)
+        state = self.hf_model.state_dict()
+        for name, tied_to in self._tied_order(state):
+            tensor = state[name]
             shape = tuple(tensor.shape)
-            if first != name:
-                yield WeightPiece(name, None, shape, tensor.dtype, 0, first)
+            if tied_to is not None:
+                yield WeightPiece(name, None, shape, tensor.dtype, 0, tied_to)
             elif isinstance(tensor, DTensor) and tensor.dim() > 0:
                 mesh = tensor.device_mesh
                 by_rows = tensor.redistribute(mesh, [Shard(0)] * mesh.ndim)

@@ -296,13 +296,25 @@ class TorchStrategy:
 
     def weight_pieces(self) -> Iterator[WeightPiece]:
         """Every weight in HF names (with LoRA, merged), in the same order on every rank, with this rank's rows of it
-        or None (what a weight sync sends, `baton.data.shards`). One process: every weight whole; tied names once
-        (the others as aliases)."""
+        or None (what a weight sync sends, `baton.data.shards`). One process: every weight whole."""
+        state = self._full_state_dict()
+        for name, tied_to in self._tied_order(state):
+            tensor = state[name]
+            yield WeightPiece(name, tensor if tied_to is None else None, tuple(tensor.shape), tensor.dtype, 0, tied_to)
+
+    def _tied_order(self, names) -> Iterator[tuple[str, str | None]]:
+        """`names` (a state dict's) with the weight each shares a tensor with (the embeddings and a tied LM head), or
+        None: a weight first, then its tied names."""
         tied = self._tied_names()
-        for name, tensor in self._full_state_dict().items():
-            first = tied.get(name, name)
-            yield WeightPiece(name, tensor if first == name else None, tuple(tensor.shape), tensor.dtype, 0,
-                              None if first == name else first)
+        aliases: dict[str, list[str]] = {}
+        for name in names:
+            if tied.get(name, name) != name:
+                aliases.setdefault(tied[name], []).append(name)
+        for name in names:
+            if tied.get(name, name) == name:
+                yield name, None
+                for alias in aliases.get(name, []):
+                    yield alias, name
 
     def _tied_names(self) -> dict[str, str]:
         """Each weight name → the first name of the parameter it is (the embeddings and a tied LM head share one)."""
