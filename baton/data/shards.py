@@ -56,6 +56,15 @@ def fingerprint(tensor: torch.Tensor, first: int = 0) -> int:
     return total % _MOD
 
 
+@dataclass
+class WeightShards:
+    """One source rank's part of a weight sync: its buckets (`TensorBucket`s of pieces, or object-store references to
+    them on Ray), every rank the same number, and the fingerprints of the pieces it sent, by weight name."""
+
+    buckets: list
+    fingerprints: dict[str, int] = field(default_factory=dict)
+
+
 class WeightPiece(NamedTuple):
     """One weight as one rank sends it: `rows`, its rows from `first_row` (None: another rank sends them), the whole
     weight's `shape` and `dtype`; a tied weight is sent once, its other names right after it with `tied_to` set and
