@@ -23,7 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 600
 HAS_TRL = importlib.util.find_spec("trl") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "gpu_check", "rollout", "sandbox", "scale", "strategy"}  # bench/common.py is shared code
+TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "gpu_check", "rollout", "sandbox", "scale", "strategy",
+          "sync"}  # bench/common.py is shared code
 
 
 def run_bench(name: str, tmp_path, *args: str) -> dict:
@@ -111,6 +112,17 @@ def test_scale_bench_reports_a_side_past_its_memory_cap_and_goes_on(tmp_path):
     figures = run_bench("scale", tmp_path, "--mem-cap-gib", "0.05")
     assert all(side.get("out_of_memory") for side in figures["sides"].values())
     assert figures["packed_vs_padded_tokens_per_s"] is None and figures["passed"]["packed_vs_padded_tokens_per_s"] is False
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_sync_bench(tmp_path):
+    figures = run_bench("sync", tmp_path)
+    has_keys(figures, "sync_gb_per_s", "sync_vs_memcpy", "max_source_rss_vs_model_bytes", "delta_bytes_ratio",
+             "delta_bytes_ratio_lora", "max_source_vs_shard_plus_bucket", "memcpy_gb_per_s", "layouts", "passed")
+    assert {(entry["sources"], entry["engines"]) for entry in figures["layouts"]} >= {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert figures["fingerprint_catches_skipped_bucket"] is True  # whatever the machine: a check, not a speed
+    assert figures["delta_bytes_ratio"] == 1.0  # a full fine-tuning update changes every weight
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)

@@ -114,6 +114,11 @@ def pieces_bucket(pieces: list[WeightPiece]) -> TensorBucket:
                         aliases={piece.name: piece.tied_to for piece in pieces if piece.tied_to is not None})
 
 
+def piece_fingerprint(piece: WeightPiece) -> int:
+    """The fingerprint of this rank's rows of a weight, as a part of the whole weight's."""
+    return fingerprint(piece.rows, piece.first_row * math.prod(piece.shape[1:]))
+
+
 def bucket_fingerprints(bucket: TensorBucket) -> dict[str, int]:
     """The fingerprint of each piece in `bucket`, as a part of its whole weight's."""
     return {name: fingerprint(rows, bucket.offsets.get(name, 0) * math.prod(rows.shape[1:]))
@@ -159,4 +164,4 @@ def differing(expected: dict[str, int], served: dict[str, int]) -> list[str]:
 
 
 __all__ = ["WeightPiece", "WeightShards", "assemble", "bucket_fingerprints", "differing", "fingerprint", "joined_fingerprints",
-           "pieces_bucket", "pieces_buckets"]
+           "piece_fingerprint", "pieces_bucket", "pieces_buckets"]

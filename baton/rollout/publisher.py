@@ -12,6 +12,7 @@ from baton.distributed import Cluster
 from baton.rollout.engine_worker import WEIGHT_SYNC_TIMEOUT_S
 from baton.rollout.functions import RolloutStalledError
 from baton.rollout.pool import EnginePool
+from baton.data.shards import joined_fingerprints
 from baton.workers.weight_sync import ModelUpdatePair, check_fingerprints
 
 
@@ -62,7 +63,7 @@ class WeightPublisher:
             shards = actor.export_weights(bucket_bytes, self._dtype)
             for engine in self.engines:
                 engine.import_weights(shards, version)
-                check_fingerprints(actor.name, engine, shards)
+                check_fingerprints(actor.name, engine, joined_fingerprints(shards))
             self._shards = shards
         self.pool.set_version(version)
         if ours is not None:

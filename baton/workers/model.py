@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from baton.data import DataProto, TensorBucket
-from baton.data.shards import WeightShards, bucket_fingerprints, pieces_buckets
+from baton.data.shards import WeightShards, bucket_fingerprints, piece_fingerprint, pieces_buckets
 from baton.distributed import Dispatch, Worker, register
 from baton.strategy import StrategyConfig, create_strategy
 from baton.strategy.logprobs import sampling_temperature
@@ -28,16 +28,31 @@ class ModelWorker(Worker):
         return self.strategy.forward(batch, temperature=sampling_temperature(batch))
 
     @register(Dispatch.ONE_TO_ALL)
-    def export_weights(self, bucket_bytes: int = 256 << 20, dtype: str | None = None) -> WeightShards:
+    def export_weights(self, bucket_bytes: int = 256 << 20, dtype: str | None = None,
+                       skip: list[str] | None = None) -> WeightShards:
         """Every rank's part of the weights (the strategy's `weight_pieces`: a sharded model's ranks each send their
         rows, nobody gathers the whole model), with its pieces' fingerprints: on Ray as object-store refs (the driver
-        never holds the weights), in-process as `TensorBucket`s. `dtype`: the destination's (`weight_dtype`)."""
-        shards = WeightShards([])
-        pieces = self.strategy.weight_pieces()
-        for bucket in pieces_buckets(pieces, bucket_bytes, self.world_size, None if dtype is None else getattr(torch, dtype)):
+        never holds the weights), in-process as `TensorBucket`s. `dtype`: the destination's (`weight_dtype`); `skip`:
+        weights not to send (a delta sync's unchanged ones)."""
+        shards, left_out = WeightShards([]), set(skip or ())
+        pieces = (piece for piece in self.strategy.weight_pieces()
+                  if piece.name not in left_out and piece.tied_to not in left_out)
+        for bucket in pieces_buckets(pieces, bucket_bytes, self.world_size, _dtype(dtype)):
             shards.fingerprints.update(bucket_fingerprints(bucket))
             shards.buckets.append(put_bucket(bucket, self.context.backend))
         return shards
+
+    @register(Dispatch.ONE_TO_ALL)
+    def piece_fingerprints(self, dtype: str | None = None) -> dict[str, int]:
+        """The fingerprints of this rank's rows of every weight, as `export_weights` would send them (a delta sync
+        compares them, summed over the ranks, with what the destination holds)."""
+        fingerprints = {}
+        for piece in self.strategy.weight_pieces():
+            if piece.rows is not None:
+                if dtype is not None and piece.dtype.is_floating_point:
+                    piece = piece.cast(_dtype(dtype))
+                fingerprints[piece.name] = piece_fingerprint(piece)
+        return fingerprints
 
     @register(Dispatch.ONE_TO_ALL)
     def import_weights(self, shards: list[WeightShards]) -> None:
@@ -82,3 +97,7 @@ class ModelWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def reload(self) -> None:
         self.strategy.reload()
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)

@@ -37,15 +37,20 @@ class ModelUpdatePair:
         A sharing pair is probed on its first sync only: from then on both sides hold the same tensors.
     adapter_only: send only a LoRA source's adapter (`export_adapter` -> `import_adapter`), which the destination
         serves on its own copy of the base; the probe then checks that the destination serves it.
+    delta: send only the weights whose fingerprint differs from the one the destination proved it serves after the
+        last sync (lossless: a weight is sent whole or not at all; after a full fine-tuning update nearly every weight
+        changed, after a LoRA actor's merged update only the adapted projections); every weight is checked after.
     """
 
     def __init__(self, src: Cluster, dst: Cluster, probe: DataProto | None = None, atol: float = 1e-4,
-                 bucket_bytes: int = 256 << 20, share_role: str | None = None, adapter_only: bool = False):
+                 bucket_bytes: int = 256 << 20, share_role: str | None = None, adapter_only: bool = False,
+                 delta: bool = False):
         assert not (adapter_only and share_role is not None), "a shared model has no adapter of its own to send"
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
-        self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
+        self.bucket_bytes, self.share_role, self.adapter_only, self.delta = bucket_bytes, share_role, adapter_only, delta
         self.num_syncs = 0
         self._dtype: str | None = None  # the destination's weight dtype, asked on the first sync
+        self._served: dict[str, int] = {}  # the fingerprints the destination proved it serves after the last sync
 
     def source_log_probs(self):
         """The source's log-probs on the probe's tokens (what `check` compares the destination's with)."""
@@ -61,9 +66,17 @@ class ModelUpdatePair:
         else:
             if self.num_syncs == 0:
                 self._dtype = self.dst.weight_dtype()
-            shards = self.src.export_weights(self.bucket_bytes, self._dtype)
+            expected, skip = None, []
+            if self.delta:  # the weights whose fingerprint is the one the destination already serves stay
+                expected = joined_fingerprints([WeightShards([], part) for part in self.src.piece_fingerprints(self._dtype)])
+                skip = sorted(name for name, value in expected.items() if self._served.get(name) == value)
+            shards = self.src.export_weights(self.bucket_bytes, self._dtype, skip)
             self.dst.import_weights(shards)
-            check_fingerprints(self.src.name, self.dst, shards)
+            expected = expected or joined_fingerprints(shards)
+            check_fingerprints(self.src.name, self.dst, expected)  # every weight, the ones left out included
+            self._served = expected
+            if self.delta:
+                metrics["weight_sync/sent_fraction"] = 1 - len(skip) / max(len(expected), 1)
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
         if self.probe is not None and (self.share_role is None or self.num_syncs == 0):
             metrics["weight_sync/max_logprob_diff"] = self.check()
@@ -86,11 +99,11 @@ class ModelUpdatePair:
         return diff
 
 
-def check_fingerprints(source: str, dst: Cluster, shards: list[WeightShards]) -> int:
-    """Every destination worker's fingerprints of the weights a sync sent against the source's (`shards`); raises
-    `WeightSyncError` naming the weights that differ. Returns how many weights were compared on each worker that
-    computes fingerprints (0 where none does: vLLM, sharded models, which the probe checks instead)."""
-    expected = joined_fingerprints(shards)
+def check_fingerprints(source: str, dst: Cluster, expected: dict[str, int]) -> int:
+    """Every destination worker's fingerprints of the weights against the source's (`expected`, e.g.
+    `joined_fingerprints` of what a sync sent); raises `WeightSyncError` naming the weights that differ. Returns how
+    many weights were compared on each worker that computes fingerprints (0 where none does: vLLM, sharded models,
+    which the probe checks instead)."""
     compared = 0
     for worker, served in enumerate(dst.weight_fingerprints(sorted(expected))):
         if served is None:
@@ -98,9 +111,9 @@ def check_fingerprints(source: str, dst: Cluster, shards: list[WeightShards]) ->
         wrong = differing(expected, served)
         if wrong:
             raise WeightSyncError(
-                f"after syncing {source!r} → {dst.name!r}, worker {worker} serves other values than were sent for "
-                f"{len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''}) "
-                "by their fingerprints: the sync did not deliver them")
+                f"after syncing {source!r} → {dst.name!r}, worker {worker} serves other values than {source!r} holds "
+                f"for {len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''}) "
+                "by their fingerprints: the sync did not deliver them, or they changed after it")
         compared = len(expected)
     return compared
 
