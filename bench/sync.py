@@ -12,6 +12,8 @@ rank together, loads it and proves by fingerprints what it serves (`check_finger
                                 the model's bytes; `max_source_vs_shard_plus_bucket` (target <= 1.25): what a source
                                 holds during the sync (its shard, and what the export adds to its private memory)
                                 over its shard plus one bucket
+    stage_s_per_bucket          one bucket through each stage in the driver, on cold memory: fingerprint, object-store
+                                write and read, copy into parameters, fingerprint (where the time goes)
     fingerprint_catches_skipped_bucket  a sync whose destination missed one bucket of every rank raises, naming it
     delta_bytes_ratio           a delta sync after a real update: bytes sent over the model's. A full fine-tuning
                                 update changes every weight (ratio 1); `delta_bytes_ratio_lora` is a LoRA actor's
@@ -109,6 +111,37 @@ def memcpy_gb_per_s(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
+def stage_seconds(num_bytes: int) -> dict[str, float]:
+    """One bucket of `num_bytes` float32 through each stage of a sync, in this process, on fresh (cold) memory: the
+    source's fingerprint, the write into the object store, the read back, the copy into parameters, the
+    destination's fingerprint."""
+    import ray
+
+    from baton.data import TensorBucket
+    from baton.data.shards import bucket_fingerprints
+
+    bucket = TensorBucket({"w": torch.randn(num_bytes // 4)})
+    times, start = {}, time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal start
+        times[name] = time.perf_counter() - start
+        start = time.perf_counter()
+
+    bucket_fingerprints(bucket)
+    lap("source_fingerprint")
+    ref = ray.put(bucket)
+    lap("object_store_write")
+    received = ray.get(ref)
+    lap("object_store_read")
+    param = torch.empty(num_bytes // 4)
+    param.copy_(received.tensors["w"])
+    lap("copy_into_parameters")
+    bucket_fingerprints(TensorBucket({"w": param}))
+    lap("destination_fingerprint")
+    return times
+
+
 def model_bytes(config: StrategyConfig) -> int:
     from baton.models import MODEL_CONFIGS
     from baton.models.build import check_model_size
@@ -149,7 +182,8 @@ def run(quick: bool) -> dict:
     engine_config = StrategyConfig(name="hf", model=model, seed=1)
     total = model_bytes(config)
     figures = {"model": model, "model_bytes": total, "bucket_bytes": bucket_bytes, "quick": quick,
-               "os_cpu_count": os.cpu_count(), "memcpy_gb_per_s": memcpy_gb_per_s(), "layouts": []}
+               "os_cpu_count": os.cpu_count(), "memcpy_gb_per_s": memcpy_gb_per_s(), "layouts": [],
+               "stage_s_per_bucket": stage_seconds(bucket_bytes)}
     backends = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
     sources = QUICK_SOURCES if quick else SOURCES
     # One engine cluster at a time, each source cluster built in turn beside it: the 0.5B shape's engines hold
@@ -278,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     args = common_parser(__doc__.splitlines()[0]).parse_args(argv)
     with local_ray(num_cpus=16):
         figures = run(args.quick)
+    print("one bucket, seconds per stage: " + ", ".join(f"{k} {v:.3f}" for k, v in figures["stage_s_per_bucket"].items()))
     print(f"memcpy {figures['memcpy_gb_per_s']:.1f} GB/s; slowest sync {figures['sync_gb_per_s']:.2f} GB/s = "
           f"{figures['sync_vs_memcpy']:.2f} x memcpy; largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
           f"(shard + bucket), {figures['max_source_rss_vs_model_bytes']:.2f} x the model; skipped bucket caught: "
