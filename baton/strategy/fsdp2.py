@@ -1,11 +1,13 @@
-"""The FSDP2 strategy: one model sharded over the cluster's workers with torch's `fully_shard`.
+"""The FSDP2 strategy: one model sharded over the cluster's workers with torch's `fully_shard`, on a device mesh
+(`strategy.parallel`: `baton.strategy.mesh`) that may also split it by tensors (tp) and sequences (cp) and
+replicate the shards (HSDP).
 
 torch.distributed is initialised from the environment the cluster sets (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) by `baton.distributed.rendezvous`, whose store listens on MASTER_ADDR
-only: gloo on CPU, nccl on GPU. Every worker is a data-parallel rank (`RankInfo` dp_rank = rank).
-Because FSDP averages gradients over ranks, the strategy scales each rank's loss by world_size /
-global unit count, so N workers with shards of any sizes make the same update as one worker on
-the whole batch. With `compute_dtype` bfloat16 every shard group
+only: gloo on CPU, nccl on GPU. Each worker's `RankInfo` is its place on the mesh (plain FSDP: dp_rank = rank).
+Because FSDP averages gradients over its ranks (dp_replicate × dp_shard × cp), the strategy scales each rank's loss
+by that count / the global unit count (summed over the data-parallel ranks), so N workers with shards of any sizes
+make the same update as one worker on the whole batch. With `compute_dtype` bfloat16 every shard group
 gathers its float32 parameters as bf16 for compute and reduces gradients in float32
 (`MixedPrecisionPolicy`), so the optimizer steps float32 shards.
 """
