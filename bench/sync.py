@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     args = common_parser(__doc__.splitlines()[0]).parse_args(argv)
     with local_ray(num_cpus=16):
         figures = run(args.quick)
-    print("one bucket, seconds per stage: " + ", ".join(f"{k} {v:.3f}" for k, v in figures["stage_s_per_bucket"].items()))
+    stages = figures["stage_s_per_bucket"]
+    print("one bucket, seconds per stage: " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in stages.items()))
     print(f"memcpy {figures['memcpy_gb_per_s']:.1f} GB/s; slowest sync {figures['sync_gb_per_s']:.2f} GB/s = "
           f"{figures['sync_vs_memcpy']:.2f} x memcpy; largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
           f"(shard + bucket), {figures['max_source_rss_vs_model_bytes']:.2f} x the model; skipped bucket caught: "

@@ -171,12 +171,15 @@ def test_bad_data_is_refused_before_the_run_directory_or_ray(tmp_path):
     ("fsdp2", {"cp": 3}, 3, r"cp: 3 does not divide this model's num_attention_heads \(4\)"),
     ("fsdp2", {"tp": 2}, 3, r"3 workers do not divide into dp_replicate 1 × cp 1 × tp 2; give the role a multiple of 2"),
     ("hf", {"tp": 2}, 1, r"strategy 'hf' holds a whole model on each worker, so it takes no parallel layout"),
+    ("fsdp2", {"cp": 2, "packing": True}, 2, r"packing: true with cp > 1: a context-parallel pass .* set packing: null"),
 ])
 def test_a_parallel_layout_the_model_or_workers_cannot_take_is_refused_before_ray(tmp_path, name, parallel,
                                                                                    world_size, message):
     from baton.strategy import ParallelConfig
 
     config = sft_config(tmp_path, world_size=world_size)
-    config.actor.strategy = StrategyConfig(name=name, model="tiny-qwen2", parallel=ParallelConfig(**parallel))
+    layout = {key: value for key, value in parallel.items() if key != "packing"}
+    config.actor.strategy = StrategyConfig(name=name, model="tiny-qwen2", parallel=ParallelConfig(**layout),
+                                           packing=parallel.get("packing"))
     with pytest.raises(ConfigError, match=r"actor.strategy.parallel: " + message):
         SFTPipeline.dry_run(config)

@@ -28,12 +28,12 @@ def test_a_delta_sync_sends_the_weights_a_lora_update_changed_and_checks_them_al
     assert pair.sync()["weight_sync/sent_fraction"] == 0.0  # nothing changed
     actor.train_step(train_batch(4), pg_loss)
     metrics = pair.sync()
-    # 4 layers × 2 adapted projections of the 4 × 12 + 2 weights (embeddings, final norm; the tied head goes with them)
+    # 4 layers × 2 adapted projections of 4 × 12 + 2 weights (embeddings, final norm; the tied head goes with them)
     assert metrics["weight_sync/sent_fraction"] == pytest.approx(8 / 50)
     assert metrics["weight_sync/max_logprob_diff"] < 1e-5  # and the destination serves the trained model
 
     # A destination whose weights changed behind the sync's back is caught even where nothing is sent.
     other = cluster(ActorWorker, "other", make_manager, seed=2)
     ModelUpdatePair(other, rollout, probe=None).sync()
-    with pytest.raises(WeightSyncError, match=r"serves other values than 'actor' holds for \d+ of 50 weights \(model.embed"):
+    with pytest.raises(WeightSyncError, match=r"other values than 'actor' holds for \d+ of 50 weights \(model.embed"):
         ModelUpdatePair.sync(pair)

@@ -163,5 +163,5 @@ def differing(expected: dict[str, int], served: dict[str, int]) -> list[str]:
     return sorted(name for name, value in expected.items() if served.get(name) != value)
 
 
-__all__ = ["WeightPiece", "WeightShards", "assemble", "bucket_fingerprints", "differing", "fingerprint", "joined_fingerprints",
-           "piece_fingerprint", "pieces_bucket", "pieces_buckets"]
+__all__ = ["WeightPiece", "WeightShards", "assemble", "bucket_fingerprints", "differing", "fingerprint",
+           "joined_fingerprints", "piece_fingerprint", "pieces_bucket", "pieces_buckets"]

@@ -75,6 +75,9 @@ def check_parallel(key: str, strategy: StrategyConfig, workers: int) -> None:
             check_tensor_parallel(model, strategy.parallel.tp)
         if strategy.parallel.cp > 1:
             check_context_parallel(model, strategy.parallel.cp)
+            if strategy.packing:
+                raise ValueError("packing: true with cp > 1: a context-parallel pass splits padded rows by position "
+                                 "and does not pack them; set packing: null (or false), or cp: 1")
     except ValueError as e:
         raise ConfigError(f"{key}.parallel: {e}") from None
 

@@ -114,7 +114,7 @@ def _positions_to_heads(x: torch.Tensor, cp: int, group) -> torch.Tensor:
 def _heads_to_positions(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     """The inverse of `_positions_to_heads`: [rows, heads / cp, cp · slice, dim] → [rows, heads, slice, dim]."""
     rows, share, length, dim = x.shape
-    x = x.reshape(rows, share, cp, length // cp, dim).permute(2, 0, 1, 3, 4).contiguous()  # [cp, rows, share, slice, dim]
+    x = x.reshape(rows, share, cp, length // cp, dim).permute(2, 0, 1, 3, 4).contiguous()  # [cp, rows, share, ...]
     x = _all_to_all(x, group)  # [cp (source rank: its share of heads), ...]
     return x.transpose(0, 1).reshape(rows, cp * share, length // cp, dim)
 

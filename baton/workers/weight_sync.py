@@ -47,7 +47,8 @@ class ModelUpdatePair:
                  delta: bool = False):
         assert not (adapter_only and share_role is not None), "a shared model has no adapter of its own to send"
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
-        self.bucket_bytes, self.share_role, self.adapter_only, self.delta = bucket_bytes, share_role, adapter_only, delta
+        self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
+        self.delta = delta
         self.num_syncs = 0
         self._dtype: str | None = None  # the destination's weight dtype, asked on the first sync
         self._served: dict[str, int] = {}  # the fingerprints the destination proved it serves after the last sync
@@ -68,7 +69,8 @@ class ModelUpdatePair:
                 self._dtype = self.dst.weight_dtype()
             expected, skip = None, []
             if self.delta:  # the weights whose fingerprint is the one the destination already serves stay
-                expected = joined_fingerprints([WeightShards([], part) for part in self.src.piece_fingerprints(self._dtype)])
+                per_rank = self.src.piece_fingerprints(self._dtype)
+                expected = joined_fingerprints([WeightShards([], part) for part in per_rank])
                 skip = sorted(name for name, value in expected.items() if self._served.get(name) == value)
             shards = self.src.export_weights(self.bucket_bytes, self._dtype, skip)
             self.dst.import_weights(shards)
@@ -112,8 +114,8 @@ def check_fingerprints(source: str, dst: Cluster, expected: dict[str, int]) -> i
         if wrong:
             raise WeightSyncError(
                 f"after syncing {source!r} → {dst.name!r}, worker {worker} serves other values than {source!r} holds "
-                f"for {len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''}) "
-                "by their fingerprints: the sync did not deliver them, or they changed after it")
+                f"for {len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''})"
+                " by their fingerprints: the sync did not deliver them, or they changed after it")
         compared = len(expected)
     return compared
 
@@ -155,7 +157,8 @@ def assembled_buckets(shards: list[WeightShards]) -> Iterator[dict[str, torch.Te
     """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time."""
     counts = {len(part.buckets) for part in shards}
     if len(counts) > 1:
-        raise ValueError(f"the source ranks sent {sorted(counts)} buckets: every rank of one sync sends the same number")
+        raise ValueError(f"the source ranks sent {sorted(counts)} buckets: every rank of one sync sends the same "
+                         "number")
     for k in range(counts.pop() if counts else 0):
         yield assemble([fetch_bucket(part.buckets[k]) for part in shards])
 
