@@ -13,7 +13,7 @@ from baton.rollout.engine_worker import WEIGHT_SYNC_TIMEOUT_S
 from baton.rollout.functions import RolloutStalledError
 from baton.rollout.pool import EnginePool
 from baton.data.shards import joined_fingerprints
-from baton.workers.weight_sync import ModelUpdatePair, check_fingerprints
+from baton.workers.weight_sync import ModelUpdatePair, compare_fingerprints
 
 
 class WeightPublisher:
@@ -61,9 +61,13 @@ class WeightPublisher:
             if first and self.engines:
                 self._dtype = self.engines[0].weight_dtype()
             shards = actor.export_weights(bucket_bytes, self._dtype)
-            for engine in self.engines:
-                engine.import_weights(shards, version)
-                check_fingerprints(actor.name, engine, joined_fingerprints(shards))
+            # Every engine loads at once (each between two of its decode steps), then proves what it serves.
+            for load in [engine.call_async("import_weights", shards, version) for engine in self.engines]:
+                load.get()
+            expected = joined_fingerprints(shards)
+            asked = [engine.call_async("weight_fingerprints", sorted(expected)) for engine in self.engines]
+            for engine, served in zip(self.engines, asked):
+                compare_fingerprints(actor.name, engine.name, expected, served.get())
             self._shards = shards
         self.pool.set_version(version)
         if ours is not None:

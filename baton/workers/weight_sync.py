@@ -106,16 +106,23 @@ def check_fingerprints(source: str, dst: Cluster, expected: dict[str, int]) -> i
     `joined_fingerprints` of what a sync sent); raises `WeightSyncError` naming the weights that differ. Returns how
     many weights were compared on each worker that computes fingerprints (0 where none does: vLLM, sharded models,
     which the probe checks instead)."""
+    return compare_fingerprints(source, dst.name, expected, dst.weight_fingerprints(sorted(expected)))
+
+
+def compare_fingerprints(source: str, destination: str, expected: dict[str, int],
+                         served: list[dict[str, int] | None]) -> int:
+    """`check_fingerprints` on fingerprints already asked of the destination's workers (`served`, one per worker)."""
     compared = 0
-    for worker, served in enumerate(dst.weight_fingerprints(sorted(expected))):
-        if served is None:
+    for worker, theirs in enumerate(served):
+        if theirs is None:
             continue
-        wrong = differing(expected, served)
+        wrong = differing(expected, theirs)
         if wrong:
             raise WeightSyncError(
-                f"after syncing {source!r} → {dst.name!r}, worker {worker} serves other values than {source!r} holds "
-                f"for {len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''})"
-                " by their fingerprints: the sync did not deliver them, or they changed after it")
+                f"after syncing {source!r} → {destination!r}, worker {worker} serves other values than {source!r} "
+                f"holds for {len(wrong)} of {len(expected)} weights ({', '.join(wrong[:5])}"
+                f"{', ...' if len(wrong) > 5 else ''}) by their fingerprints: the sync did not deliver them, or they "
+                "changed after it")
         compared = len(expected)
     return compared
 
@@ -163,5 +170,6 @@ def assembled_buckets(shards: list[WeightShards]) -> Iterator[dict[str, torch.Te
         yield assemble([fetch_bucket(part.buckets[k]) for part in shards])
 
 
-__all__ = ["ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints", "fetch_bucket",
+__all__ = ["ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints", "compare_fingerprints",
+           "fetch_bucket",
            "probe_batch", "put_bucket"]
