@@ -64,8 +64,9 @@ def train(strategy, batch: DataProto, loss_fn) -> dict:
             "collects": strategy.rank_info is None or strategy.rank_info.is_collect_rank}
 
 
-def train_on_rank(rank: int, world_size: int, kind: str, loss: str, parallel: ParallelConfig, batch: DataProto):
-    strategy = Fsdp2Strategy(config(kind, parallel, micro_batch_size_per_worker=2))
+def train_on_rank(rank: int, world_size: int, kind: str, loss: str, parallel: ParallelConfig, batch: DataProto,
+                  model: str = "tiny-qwen2"):
+    strategy = Fsdp2Strategy(config(kind, parallel, micro_batch_size_per_worker=2, model=model))
     info = strategy.rank_info
     return train(strategy, batch.chunk(info.dp_size)[info.dp_rank], LOSSES[loss][1])
 
@@ -119,6 +120,31 @@ def test_a_context_parallel_rank_that_holds_no_response_position_still_trains_it
     batch = probe_batch(load_tokenizer(), TEXTS, 1)
     ranks = run_on_ranks(train_on_rank, 2, ("causal_lm", "sft", ParallelConfig(cp=2), batch), tmp_path)
     check_same_training(ranks, train(create_strategy(config()), batch, SFTLoss()), (), batch.batch["response_mask"])
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    """A tiny Llama model (no attention biases, an LM head of its own: not tied) saved as an HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from baton.models import load_tokenizer
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(load_tokenizer()), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_a_llama_model_from_an_hf_directory_trains_alike_in_a_parallel_layout(layout, llama_dir, batches, tmp_path):
+    """Llama's layers take the same split; its untied LM head is split by vocabulary rows on its own."""
+    batch = batches["causal_lm"]
+    ranks = run_on_ranks(train_on_rank, 2, ("causal_lm", "grpo", LAYOUTS[layout][1], batch, llama_dir), tmp_path)
+    want = train(create_strategy(config(model=llama_dir)), batch, POLICY_LOSS)
+    assert "lm_head.weight" in want["weights"]  # its own tensor
+    check_same_training(ranks, want, POLICY_METRICS, batch.batch["response_mask"])
 
 
 # --- the pipelines, on Ray -------------------------------------------------------------------------------------------

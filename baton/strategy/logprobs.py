@@ -229,8 +229,11 @@ def log_probs_by_token(function, hidden: torch.Tensor, weight: torch.Tensor, tok
     with_entropy, entropy_grad, then its own `args`) over the positions of hidden [rows, len, hidden] and tokens
     [rows, len], as one flat run of tokens; two float32 tensors [rows, len]."""
     rows, length = tokens.shape
-    if rows * length == 0:  # still a function of `hidden`, so that a backward pass runs through the model that made it
-        empty = hidden.sum(-1).float() * 0  # (a context-parallel rank without response tokens: its peers' need it)
+    if rows * length == 0:
+        # Still a function of `hidden` and `weight`: a context-parallel rank without response tokens runs its backward
+        # pass through the model (its peers' attention needs it) and gives the head a (zero) gradient, as FSDP's
+        # reduction of the head's gradient over the ranks needs.
+        empty = hidden.sum(-1).float() * 0 + weight.sum().float() * 0
         return empty, empty
     log_probs, entropy = function.apply(hidden.reshape(rows * length, -1), weight, tokens.reshape(-1),
                                         inverse_temperature(temperature), with_entropy, entropy_grad, *args)
