@@ -30,7 +30,8 @@ NUM_STEPS = 3
 # name: (processes, layout); dp_shard is what the processes leave
 LAYOUTS = {"tp2": (2, ParallelConfig(tp=2)), "cp2": (2, ParallelConfig(cp=2)),
            "hsdp2": (2, ParallelConfig(dp_replicate=2)), "tp2-dp2": (4, ParallelConfig(tp=2)),
-           "cp2-tp2": (4, ParallelConfig(cp=2, tp=2))}
+           "cp2-tp2": (4, ParallelConfig(cp=2, tp=2)), "cp2-dp2": (4, ParallelConfig(cp=2)),
+           "hsdp2-tp2": (4, ParallelConfig(dp_replicate=2, tp=2))}
 
 
 def config(kind: str = "causal_lm", parallel: ParallelConfig | None = None, **overrides) -> StrategyConfig:
