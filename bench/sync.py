@@ -1,7 +1,8 @@
 """Weight-sync benchmark: one sync of a Qwen2.5-0.5B-shaped model (random weights, float32) from 1, 2 and 4 fsdp2
 training ranks into 1 and 2 inference engines, on one node of Ray, where the object store is shared memory.
 
-Each source rank sends its own rows of every weight (`ModelWorker.export_weights`); each engine puts bucket k of every
+Each source rank sends its own rows of every weight (`ModelWorker.export_weights`, streamed a bucket at a time by
+`ModelUpdatePair.sync`, which the timing runs); each engine puts bucket k of every
 rank together, loads it and proves by fingerprints what it serves (`check_fingerprints`). Figures, measured in one run:
 
     sync_gb_per_s               bytes the engines received (model bytes x engines) per second of the sync
@@ -149,14 +150,20 @@ def model_bytes(config: StrategyConfig) -> int:
     return check_model_size(MODEL_CONFIGS[config.model]) * 4  # float32
 
 
-def timed_sync(source, engine, bucket_bytes: int) -> tuple[float, dict, list[WeightShards]]:
-    """One sync: every rank's export, the engine's import and its fingerprint check. Seconds, the sources' memory."""
+def timed_sync(source, engine, bucket_bytes: int) -> float:
+    """Seconds of one sync as the pipelines run it (`ModelUpdatePair.sync` without the probe: every rank's buckets
+    streamed into the engine, then its fingerprints checked)."""
     start = time.perf_counter()
+    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes).sync()
+    return time.perf_counter() - start
+
+
+def source_memory(source, engine, bucket_bytes: int) -> list[dict]:
+    """Every source rank's memory around a whole export (kept until the engine has loaded it: the most a sync
+    holds), loaded into the engine after."""
     exported = source.measured_export(bucket_bytes, engine.weight_dtype())
-    shards = [part for part, _ in exported]
-    engine.import_weights(shards)
-    check_fingerprints(source.name, engine, joined_fingerprints(shards))
-    return time.perf_counter() - start, [memory for _, memory in exported], shards
+    engine.import_weights([part for part, _ in exported])
+    return [memory for _, memory in exported]
 
 
 def fingerprint_catches_a_skipped_bucket(source, engine, bucket_bytes: int) -> bool:
@@ -255,7 +262,8 @@ def measure_layout(manager, config: StrategyConfig, num_sources: int, engine, nu
     source = build(manager, SyncSource, config, f"source_{num_sources}", num_sources)
     try:
         timed_sync(source, engine, bucket_bytes)  # warm-up: first imports, the engine's dtype
-        seconds, memory, _ = timed_sync(source, engine, bucket_bytes)
+        seconds = timed_sync(source, engine, bucket_bytes)
+        memory = source_memory(source, engine, bucket_bytes)
     finally:
         source.shutdown()
     # What a source holds during the sync: its shard, and what the export adds to its private memory (the resident

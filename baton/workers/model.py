@@ -34,13 +34,31 @@ class ModelWorker(Worker):
         rows, nobody gathers the whole model), with its pieces' fingerprints: on Ray as object-store refs (the driver
         never holds the weights), in-process as `TensorBucket`s. `dtype`: the destination's (`weight_dtype`); `skip`:
         weights not to send (a delta sync's unchanged ones)."""
-        shards, left_out = WeightShards([]), set(skip or ())
+        self.begin_export(bucket_bytes, dtype, skip)
+        shards = WeightShards([])
+        while (part := self.next_exported()).buckets:
+            shards.buckets += part.buckets
+            shards.fingerprints.update(part.fingerprints)
+        return shards
+
+    @register(Dispatch.ONE_TO_ALL)
+    def begin_export(self, bucket_bytes: int = 256 << 20, dtype: str | None = None,
+                     skip: list[str] | None = None) -> None:
+        """Start `export_weights` a bucket at a time (`next_exported`), so that a destination loads one bucket while
+        the next is made."""
+        left_out = set(skip or ())
         pieces = (piece for piece in self.strategy.weight_pieces()
                   if piece.name not in left_out and piece.tied_to not in left_out)
-        for bucket in pieces_buckets(pieces, bucket_bytes, self.world_size, _dtype(dtype)):
-            shards.fingerprints.update(bucket_fingerprints(bucket))
-            shards.buckets.append(put_bucket(bucket, self.context.backend))
-        return shards
+        self._exporting = pieces_buckets(pieces, bucket_bytes, self.world_size, _dtype(dtype))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def next_exported(self) -> WeightShards:
+        """The next bucket of the export `begin_export` started, with its fingerprints; no bucket once it is done
+        (every rank ends at the same call: they cut their buckets alike)."""
+        bucket = next(self._exporting, None)
+        if bucket is None:
+            return WeightShards([])
+        return WeightShards([put_bucket(bucket, self.context.backend)], bucket_fingerprints(bucket))
 
     @register(Dispatch.ONE_TO_ALL)
     def piece_fingerprints(self, dtype: str | None = None) -> dict[str, int]:

@@ -2,8 +2,8 @@
 
 Every source rank puts its own part of the weights, a bucket at a time, in Ray's object store (a sharded model's
 ranks each their rows, `baton.data.shards`; no rank gathers the whole model); every destination worker fetches
-bucket k of every rank, puts the weights together and loads them, so the clusters may differ in world size and
-strategy and the driver only ever holds references. On one node the object store is shared memory: a destination
+bucket k of every rank, puts the weights together and loads them while the sources make bucket k + 1, so the
+clusters may differ in world size and strategy and the driver only ever holds references. On one node the object store is shared memory: a destination
 reads the pieces in place and copies them once, into its parameters. The destination then proves what it serves:
 the fingerprints of its weights, computed where they live, must equal the source's of what it sent
 (`check_fingerprints`); the forward-pass probe stays as an option. When the two roles share a process
@@ -72,9 +72,8 @@ class ModelUpdatePair:
                 per_rank = self.src.piece_fingerprints(self._dtype)
                 expected = joined_fingerprints([WeightShards([], part) for part in per_rank])
                 skip = sorted(name for name, value in expected.items() if self._served.get(name) == value)
-            shards = self.src.export_weights(self.bucket_bytes, self._dtype, skip)
-            self.dst.import_weights(shards)
-            expected = expected or joined_fingerprints(shards)
+            sent = joined_fingerprints(self._stream(skip))
+            expected = sent if expected is None else expected
             check_fingerprints(self.src.name, self.dst, expected)  # every weight, the ones left out included
             self._served = expected
             if self.delta:
@@ -84,6 +83,20 @@ class ModelUpdatePair:
             metrics["weight_sync/max_logprob_diff"] = self.check()
         self.num_syncs += 1
         return metrics
+
+    def _stream(self, skip: list[str]) -> list[WeightShards]:
+        """The source's buckets into the destination one at a time: bucket k loads while the source makes k + 1.
+        What every rank sent (its fingerprints, and the buckets' references)."""
+        self.src.begin_export(self.bucket_bytes, self._dtype, skip)
+        sent, loading = [], None
+        while (part := self.src.next_exported())[0].buckets:
+            if loading is not None:
+                loading.get()
+            loading = self.dst.call_async("import_weights", part)
+            sent.extend(part)
+        if loading is not None:
+            loading.get()
+        return sent
 
     def check(self, ours=None) -> float:
         """Largest |log p_src - log p_dst| on the probe's response tokens; raises `WeightSyncError` above `atol`.
