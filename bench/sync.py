@@ -1,20 +1,23 @@
 """Weight-sync benchmark: one sync of a Qwen2.5-0.5B-shaped model (random weights, float32) from 1, 2 and 4 fsdp2
-training ranks into 1 and 2 inference engines, on one node of Ray, where the object store is shared memory.
+training ranks into 1 and 2 inference engines, on one node of Ray.
 
-Each source rank sends its own rows of every weight (`ModelWorker.export_weights`, streamed a bucket at a time by
-`ModelUpdatePair.sync`, which the timing runs); each engine puts bucket k of every
-rank together, loads it and proves by fingerprints what it serves (`check_fingerprints`). Figures, measured in one run:
+Each source rank sends its own rows of every weight, streamed a bucket at a time by `ModelUpdatePair.sync` (which the
+timing runs): on one node through its two shared-memory slots (`baton.data.shared_buckets`), each engine putting
+bucket k of every rank together and loading it while the sources write bucket k + 1, then proving by fingerprints
+what it serves (`check_fingerprints`). Figures, measured in one run:
 
     sync_gb_per_s               bytes the engines received (model bytes x engines) per second of the sync
     sync_vs_memcpy              that over this machine's memory-copy bandwidth (a float32 tensor copy of 512 MiB, one
                                 thread, measured in the same run): the target (>= 0.3) is for the slowest layout
-    max_source_rss_vs_model_bytes   the largest source process's peak private memory (resident, less shared pages:
-                                the object store's) during the sync, less its memory before it built a model, over
-                                the model's bytes; `max_source_vs_shard_plus_bucket` (target <= 1.25): what a source
-                                holds during the sync (its shard, and what the export adds to its private memory)
-                                over its shard plus one bucket
-    stage_s_per_bucket          one bucket through each stage in the driver, on cold memory: fingerprint, object-store
-                                write and read, copy into parameters, fingerprint (where the time goes)
+    object_store_sync_gb_per_s  1 source -> 1 engine through Ray's object store instead (the path between nodes)
+    max_source_rss_vs_model_bytes   the largest source process's peak private memory (resident, less shared pages)
+                                during a sync, plus its shared-memory slots, less its memory before it built a model,
+                                over the model's bytes; `max_source_vs_shard_plus_bucket` (target <= 1.25): what a
+                                source holds during the sync (its shard, what the sync adds to its private memory, its
+                                slots) over its shard plus one bucket
+    stage_s_per_bucket          one bucket through each stage in the driver: fingerprint, shared-memory write (into a
+                                slot written once before, as in every sync after the first) and read, the object
+                                store's write for comparison, copy into parameters, fingerprint (where the time goes)
     fingerprint_catches_skipped_bucket  a sync whose destination missed one bucket of every rank raises, naming it
     delta_bytes_ratio           a delta sync after a real update: bytes sent over the model's. A full fine-tuning
                                 update changes every weight (ratio 1); `delta_bytes_ratio_lora` is a LoRA actor's
@@ -67,32 +70,34 @@ def private_bytes() -> int:
 
 
 class SyncSource(ActorWorker):
-    """An actor rank that reports its private memory around an export: before its model, before the export, and its
-    peak during it (sampled every millisecond)."""
+    """An actor rank that reports its memory around a sync: before its model, before the sync, its private peak
+    during it (sampled every millisecond), and its shared-memory slots."""
 
     def __init__(self, config: StrategyConfig):
         self.private_before_model = private_bytes()
         super().__init__(config)
 
     @register(Dispatch.ONE_TO_ALL)
-    def measured_export(self, bucket_bytes: int, dtype: str | None) -> tuple[WeightShards, dict]:
-        peak, done = [private_bytes()], threading.Event()
+    def start_sampling(self) -> None:
+        self._peak, self._done = [private_bytes()], threading.Event()
+        self._before = self._peak[0]
 
         def sample():
-            while not done.wait(0.001):
-                peak[0] = max(peak[0], private_bytes())
+            while not self._done.wait(0.001):
+                self._peak[0] = max(self._peak[0], private_bytes())
 
-        before, sampler = peak[0], threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            shards = self.export_weights(bucket_bytes, dtype)
-        finally:
-            done.set()
-            sampler.join()
+        self._sampler = threading.Thread(target=sample, daemon=True)
+        self._sampler.start()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stop_sampling(self) -> dict:
+        self._done.set()
+        self._sampler.join()
         shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                     for p in self.strategy.hf_model.parameters())
-        return shards, {"private_before_model": self.private_before_model, "private_before_export": before,
-                        "peak_private": max(peak[0], private_bytes()), "shard_bytes": shard}
+        slots = 0 if self._shared_slots is None else self._shared_slots.num_bytes
+        return {"private_before_model": self.private_before_model, "private_before_sync": self._before,
+                "peak_private": max(self._peak[0], private_bytes()), "shard_bytes": shard, "slot_bytes": slots}
 
 
 def memcpy_gb_per_s(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -113,15 +118,20 @@ def memcpy_gb_per_s(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 def stage_seconds(num_bytes: int) -> dict[str, float]:
-    """One bucket of `num_bytes` float32 through each stage of a sync, in this process, on fresh (cold) memory: the
-    source's fingerprint, the write into the object store, the read back, the copy into parameters, the
-    destination's fingerprint."""
+    """One bucket of `num_bytes` float32 through each stage of a sync, in this process: the source's fingerprint,
+    the write into a shared-memory slot (written once before: the slots of a sync after the first) and the read, the
+    object store's write (the path between nodes), the copy into parameters, the destination's fingerprint."""
     import ray
 
     from baton.data import TensorBucket
+    from baton.data.shared_buckets import SharedBucketRing, read_shared
     from baton.data.shards import bucket_fingerprints
 
     bucket = TensorBucket({"w": torch.randn(num_bytes // 4)})
+    param = torch.zeros(num_bytes // 4)
+    ring = SharedBucketRing(slots=1)
+    ring.write(bucket)
+    bucket_fingerprints(TensorBucket({"w": torch.zeros(1)}))  # the hash table, made once per process
     times, start = {}, time.perf_counter()
 
     def lap(name: str) -> None:
@@ -129,17 +139,21 @@ def stage_seconds(num_bytes: int) -> dict[str, float]:
         times[name] = time.perf_counter() - start
         start = time.perf_counter()
 
-    bucket_fingerprints(bucket)
-    lap("source_fingerprint")
-    ref = ray.put(bucket)
-    lap("object_store_write")
-    received = ray.get(ref)
-    lap("object_store_read")
-    param = torch.empty(num_bytes // 4)
-    param.copy_(received.tensors["w"])
-    lap("copy_into_parameters")
-    bucket_fingerprints(TensorBucket({"w": param}))
-    lap("destination_fingerprint")
+    try:
+        bucket_fingerprints(bucket)
+        lap("source_fingerprint")
+        sent, _ = ring.write(bucket)
+        lap("shared_memory_write")
+        received = read_shared(sent)
+        lap("shared_memory_read")
+        ray.put(bucket)
+        lap("object_store_write")
+        param.copy_(received.tensors["w"])
+        lap("copy_into_parameters")
+        bucket_fingerprints(TensorBucket({"w": param}))
+        lap("destination_fingerprint")
+    finally:
+        ring.close()
     return times
 
 
@@ -150,27 +164,26 @@ def model_bytes(config: StrategyConfig) -> int:
     return check_model_size(MODEL_CONFIGS[config.model]) * 4  # float32
 
 
-def timed_sync(source, engine, bucket_bytes: int) -> float:
+def timed_sync(source, engine, bucket_bytes: int, shared_memory: bool | None = None) -> float:
     """Seconds of one sync as the pipelines run it (`ModelUpdatePair.sync` without the probe: every rank's buckets
     streamed into the engine, then its fingerprints checked)."""
     start = time.perf_counter()
-    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes).sync()
+    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes, shared_memory=shared_memory).sync()
     return time.perf_counter() - start
 
 
 def source_memory(source, engine, bucket_bytes: int) -> list[dict]:
-    """Every source rank's memory around a whole export (kept until the engine has loaded it: the most a sync
-    holds), loaded into the engine after."""
-    exported = source.measured_export(bucket_bytes, engine.weight_dtype())
-    engine.import_weights([part for part, _ in exported])
-    return [memory for _, memory in exported]
+    """Every source rank's memory around one sync."""
+    source.start_sampling()
+    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes).sync()
+    return source.stop_sampling()
 
 
 def fingerprint_catches_a_skipped_bucket(source, engine, bucket_bytes: int) -> bool:
     """A real update of the source, then a sync whose destination misses bucket 1 of every rank: the check must
     name that bucket's weights."""
     source.train_step(update_batch(), policy_gradient_loss)
-    shards = [part for part, _ in source.measured_export(bucket_bytes, engine.weight_dtype())]
+    shards = source.export_weights(bucket_bytes, engine.weight_dtype())
     if len(shards[0].buckets) < 2:
         return False
     engine.import_weights([WeightShards(part.buckets[:1] + part.buckets[2:]) for part in shards])
@@ -205,7 +218,8 @@ def run(quick: bool) -> dict:
                 try:
                     for num_sources in sources:
                         figures["layouts"].append(measure_layout(manager, config, num_sources, engine, count, backend,
-                                                                 bucket_bytes, total, figures["memcpy_gb_per_s"]))
+                                                                 bucket_bytes, total, figures["memcpy_gb_per_s"],
+                                                                 figures))
                     if (backend, count) == ("hf", 1):
                         measure_updates(manager, config, engine, bucket_bytes, figures)
                 finally:
@@ -257,25 +271,30 @@ def build(manager, worker, config: StrategyConfig, name: str, num_workers: int):
 
 
 def measure_layout(manager, config: StrategyConfig, num_sources: int, engine, num_engines: int, backend: str,
-                   bucket_bytes: int, total: int, memcpy: float) -> dict:
-    """One warm-up sync and one timed sync from `num_sources` fsdp2 ranks into `engine`."""
+                   bucket_bytes: int, total: int, memcpy: float, figures: dict) -> dict:
+    """One warm-up sync and one timed sync from `num_sources` fsdp2 ranks into `engine` (and, for one source into one
+    hf engine, one through the object store), then one more with the sources' memory sampled."""
     source = build(manager, SyncSource, config, f"source_{num_sources}", num_sources)
     try:
-        timed_sync(source, engine, bucket_bytes)  # warm-up: first imports, the engine's dtype
+        timed_sync(source, engine, bucket_bytes)  # warm-up: first imports, the engine's dtype, the slots
         seconds = timed_sync(source, engine, bucket_bytes)
+        if (num_sources, num_engines, backend) == (1, 1, "hf"):
+            timed_sync(source, engine, bucket_bytes, shared_memory=False)
+            figures["object_store_sync_gb_per_s"] = total / timed_sync(source, engine, bucket_bytes, False) / 1e9
         memory = source_memory(source, engine, bucket_bytes)
     finally:
         source.shutdown()
-    # What a source holds during the sync: its shard, and what the export adds to its private memory (the resident
-    # set less shared pages: the object store's, which the buckets are written into, are shared memory).
-    added = [m["peak_private"] - m["private_before_export"] for m in memory]
+    # What a source holds during the sync: its shard, what the sync adds to its private memory (the resident set less
+    # shared pages) and its shared-memory slots.
+    added = [m["peak_private"] - m["private_before_sync"] + m["slot_bytes"] for m in memory]
     worst = max(range(len(memory)), key=lambda rank: memory[rank]["shard_bytes"] + added[rank])
     held = memory[worst]["shard_bytes"] + added[worst]
     entry = {"sources": num_sources, "engines": num_engines, "backend": backend, "sync_s": seconds,
              "sync_gb_per_s": total * num_engines / seconds / 1e9, "source_held_bytes": held,
-             "shard_bytes": memory[worst]["shard_bytes"],
+             "shard_bytes": memory[worst]["shard_bytes"], "slot_bytes": memory[worst]["slot_bytes"],
              "source_vs_shard_plus_bucket": held / (memory[worst]["shard_bytes"] + bucket_bytes),
-             "source_rss_vs_model_bytes": max(m["peak_private"] - m["private_before_model"] for m in memory) / total}
+             "source_rss_vs_model_bytes": max(m["peak_private"] + m["slot_bytes"] - m["private_before_model"]
+                                              for m in memory) / total}
     entry["sync_vs_memcpy"] = entry["sync_gb_per_s"] / memcpy
     print(f"{num_sources} source(s) -> {num_engines} {backend} engine(s): {seconds:.2f} s, "
           f"{entry['sync_gb_per_s']:.2f} GB/s ({entry['sync_vs_memcpy']:.2f} x memcpy), largest source "
@@ -323,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = figures["stage_s_per_bucket"]
     print("one bucket, seconds per stage: " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in stages.items()))
     print(f"memcpy {figures['memcpy_gb_per_s']:.1f} GB/s; slowest sync {figures['sync_gb_per_s']:.2f} GB/s = "
-          f"{figures['sync_vs_memcpy']:.2f} x memcpy; largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
+          f"{figures['sync_vs_memcpy']:.2f} x memcpy (object store, 1 -> 1: "
+          f"{figures['object_store_sync_gb_per_s']:.2f} GB/s); largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
           f"(shard + bucket), {figures['max_source_rss_vs_model_bytes']:.2f} x the model; skipped bucket caught: "
           f"{figures['fingerprint_catches_skipped_bucket']}; delta sync after an update: "
           f"{figures['delta_bytes_ratio']:.2f} of the bytes (LoRA actor: {figures['delta_bytes_ratio_lora']:.2f})")

@@ -20,6 +20,11 @@ def test_the_pieces_fingerprints_add_up_to_the_whole_weights_for_any_split(dtype
         assert sum(parts) % MOD == fingerprint(weight)
 
 
+def test_a_tensor_whose_memory_starts_inside_a_word_has_the_fingerprint_of_its_copy():
+    flat = torch.arange(9, dtype=torch.float32)
+    assert fingerprint(flat[1:5]) == fingerprint(flat[1:5].clone()) != fingerprint(flat[:4])
+
+
 def test_one_changed_or_moved_element_changes_the_fingerprint():
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     nudged, swapped = weight.clone(), weight.clone()

@@ -16,13 +16,14 @@ from baton import (
     Cluster, DataProto, Dispatch, ResourceManager, WorkerConfig, WorkerSpec, create_clusters_parallel,
     create_colocated_clusters, register,
 )
+from baton.data.shared_buckets import SharedBucket
 from baton.distributed import WorkerError
 from baton.models import load_tokenizer
 from baton.rewards import get_reward_fn
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 from baton.strategy.hf import HFStrategy
 from baton.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutWorker
-from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, assembled_buckets, probe_batch
+from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, assembled_buckets, on_one_host, probe_batch
 
 TEXTS = ["12+7=19", "3*4=12", "100-1=99", "8/2=4", "5+5=10", "7*7=49", "2+2=4", "9-3=6"]
 RESPONSE_LEN = 3  # the last 3 characters of each text are its "response"
@@ -178,6 +179,10 @@ def test_weight_sync_from_fsdp2_to_hf_rollouts_is_checked(make_manager):
         assert all(isinstance(ref, ray.ObjectRef) for part in shards for ref in part.buckets)
         reference = HFStrategy(strategy_config("hf", seed=7))
         reference.import_weights(assembled_buckets(shards))
+        # A sync between clusters on one node streams through the sources' shared-memory slots instead.
+        assert on_one_host(actor, rollout_one)
+        actor.begin_export(1 << 16, None, None, True)
+        assert all(isinstance(part.buckets[0], SharedBucket) for part in actor.next_exported())
         want = reference.generate(prompts, GREEDY).batch["responses"]
 
         for rollout in (rollout_one, rollout_two):

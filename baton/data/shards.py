@@ -6,10 +6,11 @@ per sending rank, in rank order. Every rank cuts its buckets at the same weights
 bucket k of every rank holds pieces of the same weights and a destination assembles one bucket at a time: no process
 holds more than its own shard, or the whole model, plus one bucket.
 
-A fingerprint is a sum over a tensor's elements of (the element's bits) × (a hash of its flat index), in integers
+A fingerprint is a sum over the 8-byte words of a tensor's bytes of (the word) × (a hash of its index), in integers
 modulo 2^64: exact and order-free, so the pieces' fingerprints, each computed where the piece lives with its global
 offset, add up to the whole tensor's, and a destination computes the same number from the tensor it serves. One
-changed element, or one tensor that kept its old values, changes it.
+changed element, or one tensor that kept its old values, changes it. It is one integer dot product over the tensor's
+memory, at about the speed of copying it, so a sync can afford it on both ends.
 """
 
 from __future__ import annotations
@@ -23,37 +24,59 @@ import torch
 from baton.data.bucket import TensorBucket
 
 _MOD = 1 << 64
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_PERIOD = 1 << 20  # the index hash repeats every 2^20 elements: weights apart by a multiple of it may swap unseen
+_PERIOD = 1 << 19  # words: the index hash repeats every 4 MiB, so weights apart by a multiple of it may swap unseen
 _HASHES: dict[torch.device, torch.Tensor] = {}
 
 
 def _hashes(device: torch.device) -> torch.Tensor:
-    """h(i) for i in [0, 2^20): splitmix64's finaliser of i, its high 32 bits as int32 (the same on every machine)."""
+    """h(j) for j in [0, 2^19): splitmix64's finaliser of j, as int64 (the same on every machine)."""
     if device not in _HASHES:
         h = torch.arange(_PERIOD, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15, wrapping
         h = (h ^ ((h >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
-        h = h ^ ((h >> 27) & ((1 << 37) - 1))
-        _HASHES[device] = (h >> 32).to(torch.int32).to(device)
+        h = (h ^ ((h >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+        _HASHES[device] = (h ^ ((h >> 31) & ((1 << 33) - 1))).to(device)
     return _HASHES[device]
 
 
 def fingerprint(tensor: torch.Tensor, first: int = 0) -> int:
-    """Σ bits(x_i) · h((first + i) mod 2^20) mod 2^64 over `tensor`'s elements in flat order, where `first` is the
-    flat index of its first element in the whole tensor it is a piece of: exact integer arithmetic, so any split of a
-    tensor into pieces sums to the whole's. Computed on the tensor's device, in about two passes over it."""
+    """Σ word_j · h(j mod 2^19) mod 2^64 over the 8-byte words of the whole tensor's bytes (the last one zero-padded),
+    for the words `tensor` holds, where `first` is the flat index of its first element in the whole tensor it is a
+    piece of (a piece that starts or ends inside a word counts its own bytes of it, the others as zeros): exact
+    integer arithmetic, so any split of a tensor into pieces sums to the whole's. One pass over the tensor on its
+    device, at about memory-copy speed on CPU (an integer dot product, no temporaries)."""
     flat = tensor.detach().contiguous().reshape(-1)
-    bits = flat.view(_INTS[flat.element_size()])
-    wide = torch.int64 if flat.element_size() == 8 else torch.int32  # products wrap in it; sums are exact in int64
-    hashes = _hashes(flat.device).to(wide)
-    total, start = 0, 0
-    while start < flat.numel():
-        offset = (first + start) % _PERIOD
-        end = min(flat.numel(), start + _PERIOD - offset)
-        product = bits[start:end].to(wide) * hashes[offset : offset + end - start]
-        total += int(product.sum(dtype=torch.int64))
+    lead = first * flat.element_size() % 8
+    words = _words(flat, lead)
+    hashes = _hashes(words.device)
+    total, start, word = 0, 0, first * flat.element_size() // 8
+    while start < words.numel():
+        offset = (word + start) % _PERIOD
+        end = min(words.numel(), start + _PERIOD - offset)
+        total += _dot(words[start:end], hashes[offset : offset + end - start])
         start = end
     return total % _MOD
+
+
+def _words(flat: torch.Tensor, lead: int) -> torch.Tensor:
+    """`flat`'s bytes as int64 words, after `lead` zero bytes and zero-padded to whole words (a copy only then, or
+    where the tensor's memory does not start on a word)."""
+    num_bytes = flat.numel() * flat.element_size()
+    tail = -(lead + num_bytes) % 8
+    if lead == 0 and tail == 0:
+        try:
+            return flat.view(torch.int64)
+        except RuntimeError:  # its storage offset is not a whole number of words
+            pass
+    padded = torch.zeros(lead + num_bytes + tail, dtype=torch.uint8, device=flat.device)
+    padded[lead : lead + num_bytes] = flat.view(torch.uint8)
+    return padded.view(torch.int64)
+
+
+def _dot(words: torch.Tensor, hashes: torch.Tensor) -> int:
+    """Σ words · hashes, wrapping in int64 (so exact mod 2^64)."""
+    if words.device.type == "cpu":
+        return int(torch.dot(words, hashes))
+    return int((words * hashes).sum())
 
 
 @dataclass
@@ -91,22 +114,31 @@ def pieces_buckets(pieces: Iterable[WeightPiece], bucket_bytes: int, num_ranks: 
     """One rank's `pieces` (a strategy's `weight_pieces`, each tied name right after its weight) in buckets, cut
     where the weights' whole sizes reach `bucket_bytes` per rank: every one of `num_ranks` ranks cuts at the same
     weights. `dtype`: floating weights cast to it (the destination's)."""
-    bucket, size = [], 0
+    for group in pieces_groups(pieces, bucket_bytes, num_ranks, dtype):
+        yield pieces_bucket(group, dtype)
+
+
+def pieces_groups(pieces: Iterable[WeightPiece], bucket_bytes: int, num_ranks: int,
+                  dtype: torch.dtype | None = None) -> Iterator[list[WeightPiece]]:
+    """`pieces_buckets`' cut, the pieces as they are (a shared-memory sync casts them as it copies them): weights
+    counted at their size in `dtype` where given."""
+    group, size = [], 0
     for piece in pieces:
         if piece.tied_to is None and size >= bucket_bytes * num_ranks:  # a tied name stays with its weight
-            yield pieces_bucket(bucket)
-            bucket, size = [], 0
-        if dtype is not None and piece.dtype.is_floating_point:
-            piece = piece.cast(dtype)
-        bucket.append(piece)
-        size += piece.num_bytes
-    if bucket:
-        yield pieces_bucket(bucket)
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += piece.num_bytes if dtype is None or not piece.dtype.is_floating_point else (
+            piece.num_bytes // piece.dtype.itemsize * dtype.itemsize)
+    if group:
+        yield group
 
 
-def pieces_bucket(pieces: list[WeightPiece]) -> TensorBucket:
-    """A bucket of the rows this rank sends of `pieces`, with their weights' shapes and first rows and the tied
-    names."""
+def pieces_bucket(pieces: list[WeightPiece], dtype: torch.dtype | None = None) -> TensorBucket:
+    """A bucket of the rows this rank sends of `pieces` (floating ones cast to `dtype` where given), with their
+    weights' shapes and first rows and the tied names."""
+    if dtype is not None:
+        pieces = [piece.cast(dtype) if piece.dtype.is_floating_point else piece for piece in pieces]
     sent = [piece for piece in pieces if piece.rows is not None]
     return TensorBucket({piece.name: piece.rows.detach().cpu() for piece in sent},
                         shapes={piece.name: piece.shape for piece in sent},
@@ -164,4 +196,4 @@ def differing(expected: dict[str, int], served: dict[str, int]) -> list[str]:
 
 
 __all__ = ["WeightPiece", "WeightShards", "assemble", "bucket_fingerprints", "differing", "fingerprint",
-           "joined_fingerprints", "piece_fingerprint", "pieces_bucket", "pieces_buckets"]
+           "joined_fingerprints", "piece_fingerprint", "pieces_bucket", "pieces_buckets", "pieces_groups"]

@@ -334,6 +334,11 @@ class Cluster:
         return self._group.world_size if self._only_rank is None else 1
 
     @property
+    def manager(self) -> ResourceManager:
+        """The resource manager whose slots the workers hold (its node numbering is `placements`')."""
+        return self._group.manager
+
+    @property
     def placements(self) -> list[Placement]:
         placements = self._group.placements
         return list(placements) if self._only_rank is None else [placements[self._only_rank]]

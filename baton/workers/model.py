@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from baton.data import DataProto, TensorBucket
-from baton.data.shards import WeightShards, bucket_fingerprints, piece_fingerprint, pieces_buckets
+from baton.data.shared_buckets import SharedBucketRing
+from baton.data.shards import WeightShards, bucket_fingerprints, piece_fingerprint, pieces_bucket, pieces_groups
 from baton.distributed import Dispatch, Worker, register
 from baton.strategy import StrategyConfig, create_strategy
 from baton.strategy.logprobs import sampling_temperature
@@ -14,6 +17,8 @@ from baton.workers.weight_sync import assembled_buckets, fetch_bucket, put_bucke
 
 class ModelWorker(Worker):
     """Holds `self.strategy`, built from a `StrategyConfig` in the worker's own process."""
+
+    _shared_slots: SharedBucketRing | None = None  # a shared-memory weight sync's slots
 
     def __init__(self, config: StrategyConfig):
         self.config = config
@@ -42,22 +47,36 @@ class ModelWorker(Worker):
         return shards
 
     @register(Dispatch.ONE_TO_ALL)
-    def begin_export(self, bucket_bytes: int = 256 << 20, dtype: str | None = None,
-                     skip: list[str] | None = None) -> None:
+    def begin_export(self, bucket_bytes: int = 256 << 20, dtype: str | None = None, skip: list[str] | None = None,
+                     shared: bool = False) -> None:
         """Start `export_weights` a bucket at a time (`next_exported`), so that a destination loads one bucket while
-        the next is made."""
+        the next is made. shared: through this host's shared memory (`baton.data.shared_buckets`: the rows copied
+        once, cast on the way, into one of two slots, so bucket k must be loaded before bucket k + 2 is asked for)
+        instead of as `put_bucket` makes them."""
         left_out = set(skip or ())
         pieces = (piece for piece in self.strategy.weight_pieces()
                   if piece.name not in left_out and piece.tied_to not in left_out)
-        self._exporting = pieces_buckets(pieces, bucket_bytes, self.world_size, _dtype(dtype))
+        self._export_dtype, self._export_shared = _dtype(dtype), shared
+        self._exporting = pieces_groups(pieces, bucket_bytes, self.world_size, self._export_dtype)
 
     @register(Dispatch.ONE_TO_ALL)
     def next_exported(self) -> WeightShards:
-        """The next bucket of the export `begin_export` started, with its fingerprints; no bucket once it is done
-        (every rank ends at the same call: they cut their buckets alike)."""
-        bucket = next(self._exporting, None)
-        if bucket is None:
+        """The next bucket of the export `begin_export` started, with its fingerprints (of what the destinations will
+        read); no bucket once it is done (every rank ends at the same call: they cut their buckets alike)."""
+        group = next(self._exporting, None)
+        if group is None:
             return WeightShards([])
+        if self._export_shared:
+            if self._shared_slots is None:
+                self._shared_slots = SharedBucketRing()
+            try:
+                sent, bucket = self._shared_slots.write(pieces_bucket(group), self._export_dtype)
+                return WeightShards([sent], bucket_fingerprints(bucket))
+            except OSError as error:  # /dev/shm is full (a container's is often 64 MiB): the object store takes it
+                warnings.warn(f"weight sync through shared memory failed ({error}); this bucket goes through the "
+                              "object store (give the container a larger /dev/shm, e.g. docker --shm-size)",
+                              stacklevel=1)
+        bucket = pieces_bucket(group, self._export_dtype)
         return WeightShards([put_bucket(bucket, self.context.backend)], bucket_fingerprints(bucket))
 
     @register(Dispatch.ONE_TO_ALL)

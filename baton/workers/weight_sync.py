@@ -1,14 +1,15 @@
 """Weight sync from a training cluster to an inference cluster (ROLL's model-update pair), checked after every sync.
 
-Every source rank puts its own part of the weights, a bucket at a time, in Ray's object store (a sharded model's
-ranks each their rows, `baton.data.shards`; no rank gathers the whole model); every destination worker fetches
-bucket k of every rank, puts the weights together and loads them while the sources make bucket k + 1, so the
-clusters may differ in world size and strategy and the driver only ever holds references. On one node the object store is shared memory: a destination
-reads the pieces in place and copies them once, into its parameters. The destination then proves what it serves:
-the fingerprints of its weights, computed where they live, must equal the source's of what it sent
-(`check_fingerprints`); the forward-pass probe stays as an option. When the two roles share a process
-(`create_colocated_clusters`) the destination points its parameters at the source's tensors instead: nothing is
-copied.
+Every source rank sends its own part of the weights, a bucket at a time (a sharded model's ranks each their rows,
+`baton.data.shards`; no rank gathers the whole model); every destination worker puts bucket k of every rank together
+and loads it while the sources make bucket k + 1, so the clusters may differ in world size and strategy and the
+driver only ever holds references. Where both clusters run on one node, the buckets go through the sources' two
+shared-memory slots (`baton.data.shared_buckets`): a source copies its rows in once, cast to the destination's dtype,
+and a destination copies them once more, into its parameters. Between nodes they go through Ray's object store.
+The destination then proves what it serves: the fingerprints of its weights, computed where they live, must equal
+the source's of what it sent (`check_fingerprints`); the forward-pass probe stays as an option. When the two roles
+share a process (`create_colocated_clusters`) the destination points its parameters at the source's tensors
+instead: nothing is copied.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Iterator
 import torch
 
 from baton.data import DataProto, TensorBucket
+from baton.data.shared_buckets import SharedBucket, available as shared_memory_available, check_generation, read_shared
 from baton.data.shards import WeightShards, assemble, differing, joined_fingerprints
 from baton.distributed import Cluster
 
@@ -37,6 +39,8 @@ class ModelUpdatePair:
         A sharing pair is probed on its first sync only: from then on both sides hold the same tensors.
     adapter_only: send only a LoRA source's adapter (`export_adapter` -> `import_adapter`), which the destination
         serves on its own copy of the base; the probe then checks that the destination serves it.
+    shared_memory: stream the buckets through the sources' shared-memory slots (`baton.data.shared_buckets`);
+        None: where every worker of both clusters runs on one node (`on_one_host`), else Ray's object store.
     delta: send only the weights whose fingerprint differs from the one the destination proved it serves after the
         last sync (lossless: a weight is sent whole or not at all; after a full fine-tuning update nearly every weight
         changed, after a LoRA actor's merged update only the adapted projections); every weight is checked after.
@@ -44,11 +48,12 @@ class ModelUpdatePair:
 
     def __init__(self, src: Cluster, dst: Cluster, probe: DataProto | None = None, atol: float = 1e-4,
                  bucket_bytes: int = 256 << 20, share_role: str | None = None, adapter_only: bool = False,
-                 delta: bool = False):
+                 delta: bool = False, shared_memory: bool | None = None):
         assert not (adapter_only and share_role is not None), "a shared model has no adapter of its own to send"
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
         self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
         self.delta = delta
+        self.shared_memory = on_one_host(src, dst) if shared_memory is None and share_role is None else shared_memory
         self.num_syncs = 0
         self._dtype: str | None = None  # the destination's weight dtype, asked on the first sync
         self._served: dict[str, int] = {}  # the fingerprints the destination proved it serves after the last sync
@@ -72,9 +77,13 @@ class ModelUpdatePair:
                 per_rank = self.src.piece_fingerprints(self._dtype)
                 expected = joined_fingerprints([WeightShards([], part) for part in per_rank])
                 skip = sorted(name for name, value in expected.items() if self._served.get(name) == value)
-            sent = joined_fingerprints(self._stream(skip))
-            expected = sent if expected is None else expected
-            check_fingerprints(self.src.name, self.dst, expected)  # every weight, the ones left out included
+            sent, served = self._stream(skip)
+            expected = joined_fingerprints(sent) if expected is None else expected
+            if skip:  # the weights left out are checked too: unchanged where the destination serves them
+                for mine, theirs in zip(served, self.dst.weight_fingerprints(skip)):
+                    if mine is not None and theirs is not None:
+                        mine.update(theirs)
+            compare_fingerprints(self.src.name, self.dst.name, expected, served)
             self._served = expected
             if self.delta:
                 metrics["weight_sync/sent_fraction"] = 1 - len(skip) / max(len(expected), 1)
@@ -84,19 +93,31 @@ class ModelUpdatePair:
         self.num_syncs += 1
         return metrics
 
-    def _stream(self, skip: list[str]) -> list[WeightShards]:
-        """The source's buckets into the destination one at a time: bucket k loads while the source makes k + 1.
-        What every rank sent (its fingerprints, and the buckets' references)."""
-        self.src.begin_export(self.bucket_bytes, self._dtype, skip)
-        sent, loading = [], None
+    def _stream(self, skip: list[str]) -> tuple[list[WeightShards], list[dict[str, int] | None]]:
+        """The source's buckets into the destination one at a time: bucket k loads while the sources make k + 1, and
+        once it is loaded the destination fingerprints its weights of it (from its parameters, while the next loads).
+        What every rank sent (its fingerprints, and the buckets' references), and the fingerprints each destination
+        worker computed (None: it computes none)."""
+        shared = bool(self.shared_memory)  # then two slots of half a bucket each: one bucket's memory
+        self.src.begin_export(self.bucket_bytes // 2 if shared else self.bucket_bytes, self._dtype, skip, shared)
+        sent, asked, pending = [], [], None
+
+        def loaded(load, part: list[WeightShards]) -> None:  # then the fingerprints of its weights, as loaded
+            load.get()
+            asked.append(self.dst.call_async("weight_fingerprints", sorted(joined_fingerprints(part))))
+
         while (part := self.src.next_exported())[0].buckets:
-            if loading is not None:
-                loading.get()
-            loading = self.dst.call_async("import_weights", part)
+            if pending is not None:
+                loaded(*pending)
+            pending = self.dst.call_async("import_weights", part), part
             sent.extend(part)
-        if loading is not None:
-            loading.get()
-        return sent
+        if pending is not None:
+            loaded(*pending)
+        served: list[dict[str, int] | None] = [{} for _ in range(self.dst.world_size)]
+        for answer in asked:
+            for worker, theirs in enumerate(answer.get()):
+                served[worker] = None if theirs is None or served[worker] is None else {**served[worker], **theirs}
+        return sent, served
 
     def check(self, ours=None) -> float:
         """Largest |log p_src - log p_dst| on the probe's response tokens; raises `WeightSyncError` above `atol`.
@@ -140,6 +161,14 @@ def compare_fingerprints(source: str, destination: str, expected: dict[str, int]
     return compared
 
 
+def on_one_host(src: Cluster, dst: Cluster) -> bool:
+    """Whether every worker of both clusters is a Ray actor on one node of one resource manager, with shared memory
+    there: a sync between them goes through it (`baton.data.shared_buckets`) rather than the object store."""
+    nodes = {placement.node_index for placement in src.placements + dst.placements}
+    return (src.manager is dst.manager and src.manager.backend == "ray" and len(nodes) == 1
+            and shared_memory_available())
+
+
 def probe_batch(tokenizer, texts: list[str], response_len: int) -> DataProto:
     """A probe from plain texts: each text's last `response_len` tokens are the response (texts left-padded)."""
     tokenizer.padding_side = "left"
@@ -165,9 +194,12 @@ def put_bucket(bucket: TensorBucket, backend: str):
 
 
 def fetch_bucket(bucket) -> TensorBucket:
-    """What `put_bucket` made, as a `TensorBucket` (fetched from the object store: zero-copy on the same node)."""
+    """What `put_bucket` (or a `SharedBucketRing`) made, as a `TensorBucket`: fetched from the object store
+    (zero-copy on the same node) or read in place in the source's shared-memory slot."""
     if isinstance(bucket, TensorBucket):
         return bucket
+    if isinstance(bucket, SharedBucket):
+        return read_shared(bucket)
     import ray
 
     return ray.get(bucket)
@@ -181,6 +213,9 @@ def assembled_buckets(shards: list[WeightShards]) -> Iterator[dict[str, torch.Te
                          "number")
     for k in range(counts.pop() if counts else 0):
         yield assemble([fetch_bucket(part.buckets[k]) for part in shards])
+        for part in shards:  # loaded: a shared-memory slot must still hold what was read
+            if isinstance(part.buckets[k], SharedBucket):
+                check_generation(part.buckets[k])
 
 
 __all__ = ["ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints", "compare_fingerprints",
