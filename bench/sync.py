@@ -9,7 +9,8 @@ what it serves (`check_fingerprints`). Figures, measured in one run:
     sync_gb_per_s               bytes the engines received (model bytes x engines) per second of the sync
     sync_vs_memcpy              that over this machine's memory-copy bandwidth (a float32 tensor copy of 512 MiB, one
                                 thread, measured in the same run): the target (>= 0.3) is for the slowest layout
-    object_store_sync_gb_per_s  1 source -> 1 engine through Ray's object store instead (the path between nodes)
+    object_store_sync_gb_per_s  1 source -> 1 engine through Ray's object store instead, and
+    collective_sync_gb_per_s    through a gloo group (`transport: collective`), the two paths between nodes
     max_source_rss_vs_model_bytes   the largest source process's peak private memory (resident, less shared pages)
                                 during a sync, plus its shared-memory slots, less its memory before it built a model,
                                 over the model's bytes; `max_source_vs_shard_plus_bucket` (target <= 1.25): what a
@@ -164,11 +165,11 @@ def model_bytes(config: StrategyConfig) -> int:
     return check_model_size(MODEL_CONFIGS[config.model]) * 4  # float32
 
 
-def timed_sync(source, engine, bucket_bytes: int, shared_memory: bool | None = None) -> float:
+def timed_sync(source, engine, bucket_bytes: int, transport: str = "auto") -> float:
     """Seconds of one sync as the pipelines run it (`ModelUpdatePair.sync` without the probe: every rank's buckets
     streamed into the engine, then its fingerprints checked)."""
     start = time.perf_counter()
-    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes, shared_memory=shared_memory).sync()
+    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes, transport=transport).sync()
     return time.perf_counter() - start
 
 
@@ -279,8 +280,9 @@ def measure_layout(manager, config: StrategyConfig, num_sources: int, engine, nu
         timed_sync(source, engine, bucket_bytes)  # warm-up: first imports, the engine's dtype, the slots
         seconds = timed_sync(source, engine, bucket_bytes)
         if (num_sources, num_engines, backend) == (1, 1, "hf"):
-            timed_sync(source, engine, bucket_bytes, shared_memory=False)
-            figures["object_store_sync_gb_per_s"] = total / timed_sync(source, engine, bucket_bytes, False) / 1e9
+            for transport in ("object_store", "collective"):
+                timed_sync(source, engine, bucket_bytes, transport)  # the first collective sync joins its groups
+                figures[f"{transport}_sync_gb_per_s"] = total / timed_sync(source, engine, bucket_bytes, transport) / 1e9
         memory = source_memory(source, engine, bucket_bytes)
     finally:
         source.shutdown()
@@ -342,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     stages = figures["stage_s_per_bucket"]
     print("one bucket, seconds per stage: " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in stages.items()))
     print(f"memcpy {figures['memcpy_gb_per_s']:.1f} GB/s; slowest sync {figures['sync_gb_per_s']:.2f} GB/s = "
-          f"{figures['sync_vs_memcpy']:.2f} x memcpy (object store, 1 -> 1: "
-          f"{figures['object_store_sync_gb_per_s']:.2f} GB/s); largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
+          f"{figures['sync_vs_memcpy']:.2f} x memcpy (1 -> 1 through the object store "
+          f"{figures['object_store_sync_gb_per_s']:.2f} GB/s, collective {figures['collective_sync_gb_per_s']:.2f} GB/s); "
+          f"largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
           f"(shard + bucket), {figures['max_source_rss_vs_model_bytes']:.2f} x the model; skipped bucket caught: "
           f"{figures['fingerprint_catches_skipped_bucket']}; delta sync after an update: "
           f"{figures['delta_bytes_ratio']:.2f} of the bytes (LoRA actor: {figures['delta_bytes_ratio_lora']:.2f})")

@@ -71,9 +71,9 @@ def test_a_descriptor_that_points_elsewhere_is_refused(ring):
         read_shared(replace(sent, path="/etc/passwd"))
     with pytest.raises(ValueError, match="cannot be read on"):
         read_shared(replace(sent, host="elsewhere/0"))
-    with pytest.raises(ValueError, match="names dtype 'load', which is not a torch dtype"):
+    with pytest.raises(ValueError, match="names dtype .load., which is not a torch dtype"):
         read_shared(replace(sent, layout={"w": ("load", (5, 3), 64)}))
-    with pytest.raises(ValueError, match="tensor 'w' lies outside the file"):
+    with pytest.raises(ValueError, match="places tensor .w. outside its buffer"):
         read_shared(replace(sent, layout={"w": ("float32", (1 << 20, 3), 64)}))
 
 

@@ -181,7 +181,7 @@ def test_weight_sync_from_fsdp2_to_hf_rollouts_is_checked(make_manager):
         reference.import_weights(assembled_buckets(shards))
         # A sync between clusters on one node streams through the sources' shared-memory slots instead.
         assert on_one_host(actor, rollout_one)
-        actor.begin_export(1 << 16, None, None, True)
+        actor.begin_export(1 << 16, None, None, "shared_memory")
         assert all(isinstance(part.buckets[0], SharedBucket) for part in actor.next_exported())
         want = reference.generate(prompts, GREEDY).batch["responses"]
 

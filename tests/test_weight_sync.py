@@ -1,16 +1,18 @@
 """A weight sync proves what the destination serves (fingerprints, `baton.data.shards`), and a delta sync sends only
-the weights that changed while still checking every one. Local backend: the clusters' workers run in this process."""
+the weights that changed while still checking every one (local backend: the clusters' workers run in this process);
+between nodes a sync goes through the object store or, asked to, through gloo groups of its own (Ray, two nodes)."""
 
 from __future__ import annotations
 
 import pytest
-from test_strategy_distributed import TEXTS, pg_loss, train_batch
+from test_strategy_distributed import CALL_TIMEOUT_S, TEXTS, pg_loss, strategy_config, train_batch
 
-from baton import Cluster, WorkerConfig, WorkerSpec
+from baton import Cluster, WorkerConfig, WorkerSpec, create_clusters_parallel
 from baton.models import load_tokenizer
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.base import LoraConfig
 from baton.workers import ActorWorker, RolloutWorker
+from baton.rollout.engine_worker import EngineWorker
 from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, probe_batch
 
 
@@ -37,3 +39,38 @@ def test_a_delta_sync_sends_the_weights_a_lora_update_changed_and_checks_them_al
     ModelUpdatePair(other, rollout, probe=None).sync()
     with pytest.raises(WeightSyncError, match=r"other values than 'actor' holds for \d+ of 50 weights \(model.embed"):
         ModelUpdatePair.sync(pair)
+
+
+def test_a_transport_that_cannot_work_is_refused(make_manager):
+    actor = cluster(ActorWorker, "actor", make_manager)
+    rollout = cluster(RolloutWorker, "rollout", make_manager)
+    with pytest.raises(ValueError, match="weight-sync transport 'pigeon': choose one of auto, shared_memory"):
+        ModelUpdatePair(actor, rollout, transport="pigeon")
+    with pytest.raises(ValueError, match="'collective' joins the workers' processes in a group: it needs the ray"):
+        ModelUpdatePair(actor, rollout, transport="collective")
+    assert ModelUpdatePair(actor, rollout).transport == "object_store"  # in one process: handed over as they are
+
+
+@pytest.mark.ray
+def test_a_sync_between_nodes_goes_through_the_object_store_or_gloo_groups_and_is_checked(make_manager):
+    actor, rollout, engine = create_clusters_parallel([
+        (WorkerSpec(ActorWorker, (strategy_config("fsdp2"),)),
+         WorkerConfig("actor", device_mapping=[0, 1], call_timeout_s=CALL_TIMEOUT_S)),
+        (WorkerSpec(RolloutWorker, (strategy_config("hf", seed=1),)),
+         WorkerConfig("rollout", device_mapping=[2, 3], call_timeout_s=CALL_TIMEOUT_S)),
+        (WorkerSpec(EngineWorker, (strategy_config("hf", seed=2),)),
+         WorkerConfig("engine", device_mapping=[2], share_devices_with=("rollout",), call_timeout_s=CALL_TIMEOUT_S)),
+    ], make_manager("ray", num_nodes=2, num_devices_per_node=2))
+    try:
+        probe = probe_batch(load_tokenizer(), TEXTS[:4], 3)
+        assert ModelUpdatePair(actor, rollout).transport == "object_store"  # the actor and rollout share no node
+        # Two fsdp2 ranks broadcast their rows, each in its group with both rollout workers; then into an engine.
+        pair = ModelUpdatePair(actor, rollout, probe, transport="collective", bucket_bytes=1 << 16)
+        for step in range(2):
+            actor.train_step(train_batch(5, shift=step), pg_loss)
+            assert pair.sync()["weight_sync/max_logprob_diff"] < 1e-5
+        to_engine = ModelUpdatePair(actor, engine, probe, transport="collective", bucket_bytes=1 << 16)
+        assert to_engine.sync()["weight_sync/max_logprob_diff"] < 1e-5
+    finally:
+        for each in (actor, rollout, engine):
+            each.shutdown()

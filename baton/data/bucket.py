@@ -1,7 +1,10 @@
-"""`TensorBucket`: named tensors of any shapes (a slice of a model's weights) that cross processes as numpy buffers."""
+"""`TensorBucket`: named tensors of any shapes (a slice of a model's weights) that cross processes as numpy buffers;
+and a bucket laid out in one byte buffer (`byte_layout`, `byte_views`), as a weight sync's shared-memory slot or
+collective message carries it."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,3 +38,33 @@ class TensorBucket:
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+Layout = dict[str, tuple[str, tuple[int, ...], int]]  # name -> (dtype name, shape, byte offset)
+_ALIGN = 64
+
+
+def byte_layout(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None, start: int = 0) -> tuple[Layout, int]:
+    """Where each of `tensors` (floating ones cast to `dtype` where given) lies in one byte buffer, from byte `start`,
+    each on a 64-byte boundary; and the buffer's size."""
+    layout, end = {}, start
+    for name, tensor in tensors.items():
+        out = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+        layout[name] = (str(out).removeprefix("torch."), tuple(tensor.shape), end)
+        end += -(-tensor.numel() * out.itemsize // _ALIGN) * _ALIGN
+    return layout, end
+
+
+def byte_views(memory: torch.Tensor, layout: Layout, start: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors `layout` places in `memory` (uint8), as views; ValueError for a layout that names something other
+    than a torch dtype or places a tensor outside [start, the buffer's end) (a layout may come from another process)."""
+    views = {}
+    for name, (dtype_name, shape, offset) in layout.items():
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"a weight bucket's layout names dtype {dtype_name!r}, which is not a torch dtype")
+        size = math.prod(shape) * dtype.itemsize
+        if offset < start or offset + size > memory.numel():
+            raise ValueError(f"a weight bucket's layout places tensor {name!r} outside its buffer")
+        views[name] = memory[offset : offset + size].view(dtype).view(shape)
+    return views

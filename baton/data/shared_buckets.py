@@ -17,7 +17,6 @@ a source removes those of dead processes of this user when it makes its own. A d
 from __future__ import annotations
 
 import atexit
-import math
 import mmap
 import os
 import re
@@ -28,15 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.data.bucket import TensorBucket
+from baton.data.bucket import Layout, TensorBucket, byte_layout, byte_views
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "baton-sync"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-[0-9a-f]{{32}}-\d+-\d+$")
 _HEADER = 64  # bytes before the tensors: magic, generation (int64 each)
 _MAGIC = 0x62746E53594E4331  # "btnSYNC1"
-_ALIGN = 64
-_OPEN_FILES = 8  # a destination keeps this many mapped files (two per source rank it reads)
+_OPEN_FILES = 16  # a destination keeps this many files mapped (two per source rank it reads)
 
 
 def available() -> bool:
@@ -62,7 +60,7 @@ class SharedBucket:
     path: str
     generation: int
     host: str
-    layout: dict[str, tuple[str, tuple[int, ...], int]]
+    layout: Layout
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
@@ -86,15 +84,11 @@ class SharedBucketRing:
     def write(self, bucket: TensorBucket, dtype: torch.dtype | None = None) -> tuple[SharedBucket, TensorBucket]:
         """`bucket`'s tensors (floating ones cast to `dtype` where given) into the next slot: its description for the
         destinations, and the slot's tensors (what they will read) for the sender's fingerprints."""
-        layout, end = {}, _HEADER
-        for name, tensor in bucket.tensors.items():
-            out = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
-            layout[name] = (str(out).removeprefix("torch."), tuple(tensor.shape), end)
-            end += _aligned(tensor.numel() * out.itemsize)
+        layout, end = byte_layout(bucket.tensors, dtype, _HEADER)
         self._generation += 1
         path, memory = self._slot(self._generation % len(self._files), end)
         memory[8:16].view(torch.int64)[0] = -1  # being written: a reader of the slot's last bucket sees a change
-        views = _views(memory, layout)
+        views = byte_views(memory, layout, _HEADER)
         for name, tensor in bucket.tensors.items():
             views[name].copy_(tensor.detach())
         memory[:16].view(torch.int64).copy_(torch.tensor([_MAGIC, self._generation]))
@@ -146,55 +140,41 @@ def read_shared(bucket: SharedBucket) -> TensorBucket:
     directory, name = os.path.split(bucket.path)
     if directory != SHM_DIR or not _NAME.match(name):
         raise ValueError(f"{bucket.path!r} is not a weight-sync slot (files {SHM_DIR}/{_PREFIX}-*)")
-    memory = _MAPPED.pop(bucket.path, None)
-    if memory is None:
-        try:
-            fd = os.open(bucket.path, os.O_RDWR)
-        except FileNotFoundError:
-            raise ValueError(f"weight-sync slot {bucket.path} is gone: its source process ended or wrote a larger "
-                             "bucket before this one was read") from None
-        try:
-            memory = torch.frombuffer(mmap.mmap(fd, os.fstat(fd).st_size), dtype=torch.uint8)
-        finally:
-            os.close(fd)
-    _MAPPED[bucket.path] = memory
-    while len(_MAPPED) > _OPEN_FILES:
-        _MAPPED.popitem(last=False)
-    for name, (dtype, shape, offset) in bucket.layout.items():
-        size = math.prod(shape) * _dtype(dtype).itemsize
-        if offset < _HEADER or offset + size > memory.numel():
-            raise ValueError(f"weight-sync slot {bucket.path}: tensor {name!r} lies outside the file")
+    memory = _map(bucket.path)
+    views = byte_views(memory, bucket.layout, _HEADER)
     check_generation(bucket, memory)
-    return TensorBucket(_views(memory, bucket.layout), bucket.shapes, bucket.offsets, bucket.aliases)
+    return TensorBucket(views, bucket.shapes, bucket.offsets, bucket.aliases)
 
 
 def check_generation(bucket: SharedBucket, memory: torch.Tensor | None = None) -> None:
     """Raises where `bucket`'s slot no longer holds it (the source wrote another bucket into it)."""
-    memory = _MAPPED.get(bucket.path) if memory is None else memory
-    magic, generation = (int(v) for v in memory[:16].view(torch.int64)) if memory is not None else (0, -1)
+    memory = _map(bucket.path) if memory is None else memory
+    magic, generation = (int(v) for v in memory[:16].view(torch.int64))
     if magic != _MAGIC or generation != bucket.generation:
         raise ValueError(f"weight-sync slot {bucket.path} was overwritten while bucket {bucket.generation} was read "
                          "(a source may be at most one bucket ahead of its destinations)")
 
 
-def _views(memory: torch.Tensor, layout: dict[str, tuple[str, tuple[int, ...], int]]) -> dict[str, torch.Tensor]:
-    views = {}
-    for name, (dtype, shape, offset) in layout.items():
-        dtype = _dtype(dtype)
-        size = math.prod(shape) * dtype.itemsize
-        views[name] = memory[offset : offset + size].view(dtype).view(shape)
-    return views
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"a shared-memory bucket names dtype {name!r}, which is not a torch dtype")
-    return dtype
-
-
-def _aligned(num_bytes: int) -> int:
-    return -(-num_bytes // _ALIGN) * _ALIGN
+def _map(path: str) -> torch.Tensor:
+    """A slot's file, mapped (the last few stay mapped: a sync reads the same files bucket after bucket)."""
+    memory = _MAPPED.pop(path, None)
+    if memory is None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise ValueError(f"weight-sync slot {path} is gone: its source process ended or wrote a larger bucket "
+                             "before this one was read") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER:
+                raise ValueError(f"weight-sync slot {path} has {size} bytes: too short for its header")
+            memory = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        finally:
+            os.close(fd)
+    _MAPPED[path] = memory
+    while len(_MAPPED) > _OPEN_FILES:
+        _MAPPED.popitem(last=False)
+    return memory
 
 
 def _remove(path: str) -> None:

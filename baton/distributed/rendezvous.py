@@ -9,6 +9,7 @@ MASTER_ADDR.
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 import socket
@@ -72,16 +73,27 @@ def init_process_group(backend: str) -> None:
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if rank == 0:
-        listener = _socket_for(host)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(socket.SOMAXCONN)
-        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=default_pg_timeout,
-                              wait_for_workers=False, master_listen_fd=listener.detach())
-    else:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=default_pg_timeout)
+    store = (serve_store if rank == 0 else connect_store)(host, port, world_size, default_pg_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
+def serve_store(host: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """A torch.distributed TCPStore served on `host`:`port` only (torch's own binds every interface)."""
+    import torch.distributed as dist
+
+    listener = _socket_for(host)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(socket.SOMAXCONN)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def connect_store(host: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """A client of the store `serve_store` serves."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
 def _socket_for(host: str) -> socket.socket:

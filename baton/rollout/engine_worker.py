@@ -23,6 +23,7 @@ from baton.engines.protocol import EngineHealth, GenerationRequest, GenerationRe
 from baton.strategy import StrategyConfig
 from baton.strategy.capabilities import backends_that, capabilities
 from baton.strategy.logprobs import sampling_temperature
+from baton.workers import sync_group
 from baton.workers.weight_sync import assembled_buckets
 
 CONTROL_TIMEOUT_S = 120.0  # abort, pause, health, sleep: each returns at a decode-step boundary
@@ -123,6 +124,14 @@ class EngineWorker(Worker):
         decode steps, as weight `version` (None: the engine's + 1). Requests in flight go on with the new weights."""
         version = self.engine.weight_version + 1 if version is None else version
         self.runner.run(self.engine.update_weights(assembled_buckets(shards), version), timeout_s=WEIGHT_SYNC_TIMEOUT_S)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_sync_group(self, group: str, address: tuple[str, int], on_one_node: bool, as_source: bool,
+                        num_sources: int, num_destinations: int) -> None:
+        """Join a weight sync's process groups as a destination (`baton.workers.sync_group.join`)."""
+        if as_source:
+            raise ValueError("an engine serves the weights a sync sends it; it is no sync's source")
+        sync_group.join(group, address, on_one_node, None, self.rank, num_sources, num_destinations)
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:

@@ -12,6 +12,7 @@ from baton.data.shards import WeightShards, bucket_fingerprints, piece_fingerpri
 from baton.distributed import Dispatch, Worker, register
 from baton.strategy import StrategyConfig, create_strategy
 from baton.strategy.logprobs import sampling_temperature
+from baton.workers import sync_group
 from baton.workers.weight_sync import assembled_buckets, fetch_bucket, put_bucket
 
 
@@ -48,15 +49,16 @@ class ModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def begin_export(self, bucket_bytes: int = 256 << 20, dtype: str | None = None, skip: list[str] | None = None,
-                     shared: bool = False) -> None:
+                     transport: str = "object_store", group: str | None = None) -> None:
         """Start `export_weights` a bucket at a time (`next_exported`), so that a destination loads one bucket while
-        the next is made. shared: through this host's shared memory (`baton.data.shared_buckets`: the rows copied
-        once, cast on the way, into one of two slots, so bucket k must be loaded before bucket k + 2 is asked for)
-        instead of as `put_bucket` makes them."""
+        the next is made. transport: "object_store" (as `put_bucket` makes them); "shared_memory" (this host's:
+        `baton.data.shared_buckets`, the rows copied once, cast on the way, into one of two slots, so bucket k must
+        be loaded before bucket k + 2 is asked for); "collective" (sync group `group`: `baton.workers.sync_group`,
+        each bucket packed here and broadcast by `send_exported`)."""
         left_out = set(skip or ())
         pieces = (piece for piece in self.strategy.weight_pieces()
                   if piece.name not in left_out and piece.tied_to not in left_out)
-        self._export_dtype, self._export_shared = _dtype(dtype), shared
+        self._export_dtype, self._export_transport, self._export_group = _dtype(dtype), transport, group
         self._exporting = pieces_groups(pieces, bucket_bytes, self.world_size, self._export_dtype)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -66,7 +68,10 @@ class ModelWorker(Worker):
         group = next(self._exporting, None)
         if group is None:
             return WeightShards([])
-        if self._export_shared:
+        if self._export_transport == "collective":
+            sent, bucket = sync_group.pack(self._export_group, self.rank, pieces_bucket(group), self._export_dtype)
+            return WeightShards([sent], bucket_fingerprints(bucket))
+        if self._export_transport == "shared_memory":
             if self._shared_slots is None:
                 self._shared_slots = SharedBucketRing()
             try:
@@ -78,6 +83,23 @@ class ModelWorker(Worker):
                               stacklevel=1)
         bucket = pieces_bucket(group, self._export_dtype)
         return WeightShards([put_bucket(bucket, self.context.backend)], bucket_fingerprints(bucket))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_exported(self) -> None:
+        """A collective export's last packed bucket to the destinations (returns once they have received it)."""
+        sync_group.send(self._export_group)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def open_sync_store(self, group: str, on_one_node: bool, num_members: int) -> tuple[str, int]:
+        """Serve sync group `group`'s store from this worker (a source's rank 0): where its members meet."""
+        return sync_group.open_store(group, on_one_node, num_members)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_sync_group(self, group: str, address: tuple[str, int], on_one_node: bool, as_source: bool,
+                        num_sources: int, num_destinations: int) -> None:
+        """Join a weight sync's process groups (`baton.workers.sync_group.join`) as a source rank or a destination."""
+        sync_group.join(group, address, on_one_node, self.rank if as_source else None,
+                        None if as_source else self.rank, num_sources, num_destinations)
 
     @register(Dispatch.ONE_TO_ALL)
     def piece_fingerprints(self, dtype: str | None = None) -> dict[str, int]:

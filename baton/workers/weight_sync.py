@@ -15,6 +15,7 @@ instead: nothing is copied.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Iterator
 
 import torch
@@ -23,6 +24,10 @@ from baton.data import DataProto, TensorBucket
 from baton.data.shared_buckets import SharedBucket, available as shared_memory_available, check_generation, read_shared
 from baton.data.shards import WeightShards, assemble, differing, joined_fingerprints
 from baton.distributed import Cluster
+from baton.workers.sync_group import CollectiveBucket, receive
+
+
+TRANSPORTS = ("auto", "shared_memory", "collective", "object_store")
 
 
 class WeightSyncError(RuntimeError):
@@ -39,8 +44,11 @@ class ModelUpdatePair:
         A sharing pair is probed on its first sync only: from then on both sides hold the same tensors.
     adapter_only: send only a LoRA source's adapter (`export_adapter` -> `import_adapter`), which the destination
         serves on its own copy of the base; the probe then checks that the destination serves it.
-    shared_memory: stream the buckets through the sources' shared-memory slots (`baton.data.shared_buckets`);
-        None: where every worker of both clusters runs on one node (`on_one_host`), else Ray's object store.
+    transport: how the buckets travel. "shared_memory": through the sources' slots on this host
+        (`baton.data.shared_buckets`); "collective": broadcast in gloo groups of each source rank and the destinations
+        (`baton.workers.sync_group`, joined on the first sync), for clusters on different nodes; "object_store":
+        Ray's (in-process on the local backend); "auto": shared memory where every worker of both clusters runs on
+        one node (`on_one_host`), else the object store.
     delta: send only the weights whose fingerprint differs from the one the destination proved it serves after the
         last sync (lossless: a weight is sent whole or not at all; after a full fine-tuning update nearly every weight
         changed, after a LoRA actor's merged update only the adapted projections); every weight is checked after.
@@ -48,12 +56,20 @@ class ModelUpdatePair:
 
     def __init__(self, src: Cluster, dst: Cluster, probe: DataProto | None = None, atol: float = 1e-4,
                  bucket_bytes: int = 256 << 20, share_role: str | None = None, adapter_only: bool = False,
-                 delta: bool = False, shared_memory: bool | None = None):
+                 delta: bool = False, transport: str = "auto"):
         assert not (adapter_only and share_role is not None), "a shared model has no adapter of its own to send"
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
         self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
         self.delta = delta
-        self.shared_memory = on_one_host(src, dst) if shared_memory is None and share_role is None else shared_memory
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight-sync transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        if transport == "collective" and src.manager.backend != "ray":
+            raise ValueError("weight-sync transport 'collective' joins the workers' processes in a group: it needs the "
+                             "ray backend (in one process the buckets are handed over as they are: use 'auto')")
+        if transport == "auto":
+            transport = "shared_memory" if share_role is None and on_one_host(src, dst) else "object_store"
+        self.transport = transport
+        self._group: str | None = None  # the collective transport's sync group, joined on the first sync
         self.num_syncs = 0
         self._dtype: str | None = None  # the destination's weight dtype, asked on the first sync
         self._served: dict[str, int] = {}  # the fingerprints the destination proved it serves after the last sync
@@ -98,9 +114,12 @@ class ModelUpdatePair:
         once it is loaded the destination fingerprints its weights of it (from its parameters, while the next loads).
         What every rank sent (its fingerprints, and the buckets' references), and the fingerprints each destination
         worker computed (None: it computes none)."""
-        shared = bool(self.shared_memory)  # then two slots of half a bucket each: one bucket's memory
-        self.src.begin_export(self.bucket_bytes // 2 if shared else self.bucket_bytes, self._dtype, skip, shared)
-        sent, asked, pending = [], [], None
+        if self.transport == "collective" and self._group is None:
+            self._group = self._join_group()
+        shared = self.transport == "shared_memory"  # then two slots of half a bucket each: one bucket's memory
+        self.src.begin_export(self.bucket_bytes // 2 if shared else self.bucket_bytes, self._dtype, skip,
+                              self.transport, self._group)
+        sent, asked, sending, pending = [], [], [], None
 
         def loaded(load, part: list[WeightShards]) -> None:  # then the fingerprints of its weights, as loaded
             load.get()
@@ -109,15 +128,32 @@ class ModelUpdatePair:
         while (part := self.src.next_exported())[0].buckets:
             if pending is not None:
                 loaded(*pending)
+            if self.transport == "collective":  # the sources broadcast while the destinations receive
+                sending.append(self.src.call_async("send_exported"))
             pending = self.dst.call_async("import_weights", part), part
             sent.extend(part)
         if pending is not None:
             loaded(*pending)
+        for send in sending:
+            send.get()
         served: list[dict[str, int] | None] = [{} for _ in range(self.dst.world_size)]
         for answer in asked:
             for worker, theirs in enumerate(answer.get()):
                 served[worker] = None if theirs is None or served[worker] is None else {**served[worker], **theirs}
         return sent, served
+
+    def _join_group(self) -> str:
+        """The collective transport's sync group: served by the source's rank 0, joined by every source rank and
+        destination worker at once."""
+        group = f"{self.src.name}->{self.dst.name}/{uuid.uuid4().hex[:8]}"
+        on_one_node = len({placement.node_index for placement in self.src.placements + self.dst.placements}) == 1
+        sizes = self.src.world_size, self.dst.world_size
+        [address] = self.src.worker_view(0).open_sync_store(group, on_one_node, sum(sizes))
+        joining = [self.src.call_async("join_sync_group", group, address, on_one_node, True, *sizes),
+                   self.dst.call_async("join_sync_group", group, address, on_one_node, False, *sizes)]
+        for join in joining:
+            join.get()
+        return group
 
     def check(self, ours=None) -> float:
         """Largest |log p_src - log p_dst| on the probe's response tokens; raises `WeightSyncError` above `atol`.
@@ -194,12 +230,15 @@ def put_bucket(bucket: TensorBucket, backend: str):
 
 
 def fetch_bucket(bucket) -> TensorBucket:
-    """What `put_bucket` (or a `SharedBucketRing`) made, as a `TensorBucket`: fetched from the object store
-    (zero-copy on the same node) or read in place in the source's shared-memory slot."""
+    """What `put_bucket` made (or a `SharedBucketRing`, or `sync_group.pack`), as a `TensorBucket`: fetched from the
+    object store (zero-copy on the same node), read in place in the source's shared-memory slot, or received from the
+    source in the sync group."""
     if isinstance(bucket, TensorBucket):
         return bucket
     if isinstance(bucket, SharedBucket):
         return read_shared(bucket)
+    if isinstance(bucket, CollectiveBucket):
+        return receive(bucket)
     import ray
 
     return ray.get(bucket)
