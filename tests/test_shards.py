@@ -40,6 +40,17 @@ def test_pieces_that_do_not_make_up_a_weight_are_refused():
         assemble([rows, rows])
 
 
+def test_the_pieces_of_a_weight_go_straight_into_the_destinations_tensor_where_it_fits():
+    weight = torch.randn(5, 3)
+    ranks = [TensorBucket({"w": weight[:2]}, shapes={"w": (5, 3)}, offsets={"w": 0}),
+             TensorBucket({"w": weight[2:]}, shapes={"w": (5, 3)}, offsets={"w": 2})]
+    served = {"w": torch.zeros(5, 3)}
+    whole = assemble(ranks, served.get)["w"]
+    assert whole.data_ptr() == served["w"].data_ptr() and torch.equal(served["w"], weight)
+    other_dtype = {"w": torch.zeros(5, 3, dtype=torch.float64)}
+    assert torch.equal(assemble(ranks, other_dtype.get)["w"], weight) and not other_dtype["w"].any()
+
+
 def test_every_rank_cuts_its_buckets_at_the_same_weights_and_tied_names_stay_with_theirs():
     def pieces(rank: int):  # rank 1 holds no rows of "b" (another rank sends them)
         yield WeightPiece("a", torch.zeros(2, 4), (4, 4), torch.float32, 2 * rank)

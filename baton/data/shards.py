@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -157,20 +157,32 @@ def bucket_fingerprints(bucket: TensorBucket) -> dict[str, int]:
             for name, rows in bucket.tensors.items()}
 
 
-def assemble(buckets: list[TensorBucket]) -> dict[str, torch.Tensor]:
+def assemble(buckets: list[TensorBucket],
+             into: Callable[[str], torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
     """Bucket k of every source rank, in rank order → the whole weights it holds (a weight with one piece is that
-    piece, not a copy). ValueError where the pieces do not make up a weight's shape."""
-    pieces: dict[str, list[torch.Tensor]] = {}
+    piece, not a copy). A weight of several pieces is put together in `into(name)` where that gives a plain tensor of
+    its shape and dtype (the destination's own: the pieces are copied once, straight into it), else in a new one.
+    ValueError where the pieces do not make up a weight's shape."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, str] = {}
     for bucket in buckets:
         for name, tensor in bucket.tensors.items():
-            pieces.setdefault(name, []).append(tensor)
+            pieces.setdefault(name, []).append((bucket.offsets.get(name, 0), tensor))
             shapes[name] = tuple(bucket.shapes.get(name, tensor.shape))
         aliases.update(bucket.aliases)
     whole = {}
     for name, parts in pieces.items():
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = [0]
+        for first, tensor in parts:
+            rows.append(rows[-1] + (tensor.shape[0] if tensor.dim() else 1))
+        if len(parts) == 1 or rows[-1] != shapes[name][0] or any(
+                first != row for (first, _), row in zip(parts, rows)):
+            tensor = parts[0][1] if len(parts) == 1 else torch.cat([tensor for _, tensor in parts])
+        else:
+            tensor = _target(into, name, shapes[name], parts[0][1])
+            for (first, part), end in zip(parts, rows[1:]):
+                tensor[first:end].copy_(part)
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"weight {name!r} arrived as pieces of shape {tuple(tensor.shape)}, not its "
                              f"{shapes[name]}; the sources' buckets are not one sync's")
@@ -179,6 +191,15 @@ def assemble(buckets: list[TensorBucket]) -> dict[str, torch.Tensor]:
         if name in whole:
             whole[alias] = whole[name]
     return whole
+
+
+def _target(into, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """`into(name)` where it is a plain contiguous tensor of `shape` and `like`'s dtype and device; else a new one."""
+    target = into(name) if into is not None else None
+    if (target is not None and type(target) in (torch.Tensor, torch.nn.Parameter) and tuple(target.shape) == shape
+            and target.dtype == like.dtype and target.device == like.device and target.is_contiguous()):
+        return target.detach()
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def joined_fingerprints(shards: list[WeightShards]) -> dict[str, int]:

@@ -123,7 +123,8 @@ class EngineWorker(Worker):
         """Load every source rank's `ModelWorker.export_weights` in place, a bucket (of every rank) at a time, between
         decode steps, as weight `version` (None: the engine's + 1). Requests in flight go on with the new weights."""
         version = self.engine.weight_version + 1 if version is None else version
-        self.runner.run(self.engine.update_weights(assembled_buckets(shards), version), timeout_s=WEIGHT_SYNC_TIMEOUT_S)
+        buckets = assembled_buckets(shards, getattr(self.engine, "model", None))  # hf's: pieces copied straight in
+        self.runner.run(self.engine.update_weights(buckets, version), timeout_s=WEIGHT_SYNC_TIMEOUT_S)
 
     @register(Dispatch.ONE_TO_ALL)
     def join_sync_group(self, group: str, address: tuple[str, int], on_one_node: bool, as_source: bool,

@@ -116,7 +116,7 @@ class ModelWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def import_weights(self, shards: list[WeightShards]) -> None:
         """Load every source rank's `export_weights`, one bucket (of every rank) at a time."""
-        self.strategy.import_weights(assembled_buckets(shards))
+        self.strategy.import_weights(assembled_buckets(shards, getattr(self.strategy, "hf_model", None)))
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:

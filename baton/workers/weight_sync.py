@@ -244,14 +244,18 @@ def fetch_bucket(bucket) -> TensorBucket:
     return ray.get(bucket)
 
 
-def assembled_buckets(shards: list[WeightShards]) -> Iterator[dict[str, torch.Tensor]]:
-    """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time."""
+def assembled_buckets(shards: list[WeightShards],
+                      model: torch.nn.Module | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time. `model`: the
+    destination's, whose own tensors take a weight of several pieces as they arrive (copied once, `assemble`'s
+    `into`), read as each bucket is put together, so while whoever consumes this loads it."""
     counts = {len(part.buckets) for part in shards}
     if len(counts) > 1:
         raise ValueError(f"the source ranks sent {sorted(counts)} buckets: every rank of one sync sends the same "
                          "number")
     for k in range(counts.pop() if counts else 0):
-        yield assemble([fetch_bucket(part.buckets[k]) for part in shards])
+        into = model.state_dict().get if isinstance(model, torch.nn.Module) and len(shards) > 1 else None
+        yield assemble([fetch_bucket(part.buckets[k]) for part in shards], into)
         for part in shards:  # loaded: a shared-memory slot must still hold what was read
             if isinstance(part.buckets[k], SharedBucket):
                 check_generation(part.buckets[k])
