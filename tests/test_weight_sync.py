@@ -8,7 +8,10 @@ import pytest
 from test_strategy_distributed import CALL_TIMEOUT_S, TEXTS, pg_loss, strategy_config, train_batch
 
 from baton import Cluster, WorkerConfig, WorkerSpec, create_clusters_parallel
+from baton.config import ConfigError
 from baton.models import load_tokenizer
+from baton.pipelines.config import RoleConfig, TrainerConfig
+from baton.pipelines.policy import connect_policy
 from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.base import LoraConfig
 from baton.workers import ActorWorker, RolloutWorker
@@ -39,6 +42,17 @@ def test_a_delta_sync_sends_the_weights_a_lora_update_changed_and_checks_them_al
     ModelUpdatePair(other, rollout, probe=None).sync()
     with pytest.raises(WeightSyncError, match=r"other values than 'actor' holds for \d+ of 50 weights \(model.embed"):
         ModelUpdatePair.sync(pair)
+
+
+def test_the_trainer_config_sets_the_pipelines_sync_transport_and_delta(make_manager):
+    with pytest.raises(ConfigError, match="trainer.weight_sync_transport 'pigeon' is not one of"):
+        TrainerConfig(weight_sync_transport="pigeon")
+    clusters = {"actor": cluster(ActorWorker, "actor", make_manager), "rollout": cluster(RolloutWorker, "rollout",
+                                                                                          make_manager, seed=1)}
+    role = RoleConfig(strategy=StrategyConfig(model="tiny-qwen2"))
+    pair = connect_policy(clusters, role, role, False, None, load_tokenizer(), TrainerConfig(weight_sync_delta=True))
+    assert pair.delta and pair.transport == "object_store" and pair.num_syncs == 1  # synced once as it connects
+    assert pair.sync()["weight_sync/sent_fraction"] == 0.0
 
 
 def test_a_transport_that_cannot_work_is_refused(make_manager):

@@ -21,6 +21,7 @@ from baton.rl.config import AlgorithmConfig, KLControlConfig, check_choice  # no
 from baton.strategy import OptimizerConfig, SamplingParams, StrategyConfig
 from baton.strategy.capabilities import Capabilities, backends_that, capabilities
 from baton.tracking.tracker import SINKS
+from baton.workers.weight_sync import TRANSPORTS
 
 # "policy": actor + rollout fused
 MODEL_ROLES = ("actor", "rollout", "reference", "teacher", "critic", "reward_model", "policy")
@@ -198,8 +199,15 @@ class TrainerConfig:
     # when such roles run on GPUs; true: on CPU too (where offloading frees nothing); false: every role keeps its
     # device memory. A colocated actor and rollout (colocate_actor_rollout) share tensors and are never offloaded.
     offload_idle_roles: bool | str = "auto"
+    # How a weight sync's buckets go from the actor to the rollout (`ModelUpdatePair`'s transport): "auto" (the sources'
+    # shared memory where both roles run on one node, else Ray's object store), "shared_memory", "object_store", or
+    # "collective" (gloo groups of the sync's own, for roles on different nodes). weight_sync_delta: send only the
+    # weights whose fingerprint changed since the last sync (every weight is still checked after).
+    weight_sync_transport: str = "auto"
+    weight_sync_delta: bool = False
 
     def __post_init__(self):
+        check_choice("trainer.weight_sync_transport", self.weight_sync_transport, TRANSPORTS)
         if self.backend not in ("ray", "local"):
             raise ValueError(f"trainer.backend {self.backend!r} is not one of 'ray', 'local'")
         if self.overwrite and self.resume is not None:

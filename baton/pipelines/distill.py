@@ -186,7 +186,8 @@ class DistillPipeline(Pipeline):
             fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.teacher = clusters["teacher"]
-        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
+        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer,
+                                            config.trainer)]
         self.checkpoint_clusters = ["actor"]  # the teacher is frozen: rebuilt from its model on resume
         self.sampling_clusters = ["rollout", "teacher"]
         algo = config.algorithm

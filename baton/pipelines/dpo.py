@@ -196,7 +196,8 @@ class DPOPipeline(Pipeline):
         clusters = self.create_clusters(roles, fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
         self.reference = clusters.get("reference")
-        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
+        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer,
+                                            config.trainer)]
         self.checkpoint_clusters = ["actor"]  # the reference is frozen: rebuilt from its model on resume
         self.sampling_clusters = ["rollout"]
         self.loss = DPOLoss(algo.loss_type, algo.beta, algo.label_smoothing, algo.simpo_gamma)

@@ -6,7 +6,7 @@ import dataclasses
 
 from baton.data import DataProto
 from baton.datasets import PromptDataset, collate_prompts
-from baton.pipelines.config import RoleConfig, SamplingConfig
+from baton.pipelines.config import RoleConfig, SamplingConfig, TrainerConfig
 from baton.rewards import DATA_SOURCE, PRED, REWARD_EXTRA_PREFIX
 from baton.rl.metrics import reward_error_count, validation_set_metrics
 from baton.strategy.capabilities import shares_policy_weights, syncs_policy_adapter
@@ -33,13 +33,14 @@ def validation_rollout(actor: RoleConfig) -> RoleConfig:
 
 
 def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, colocated: bool,
-                   probe_data: PromptDataset | None, tokenizer) -> ModelUpdatePair:
+                   probe_data: PromptDataset | None, tokenizer, trainer: TrainerConfig) -> ModelUpdatePair:
     """The actor → rollout ModelUpdatePair, synced once so both start from the actor's weights.
 
     colocated (built with FUSED_POLICY): when both roles run on one backend that shares weights in process
     (`shares_policy_weights`, e.g. both `hf` without LoRA), the sync shares tensors instead of copying them.
     A LoRA actor sends only its adapter to a rollout whose engine serves adapters (`syncs_policy_adapter`: `vllm` with
-    `engine_kwargs: {enable_lora: true, max_lora_rank: R}`), merged weights to any other.
+    `engine_kwargs: {enable_lora: true, max_lora_rank: R}`), merged weights to any other, as `trainer`'s
+    weight_sync_transport and weight_sync_delta say.
     """
     probe = None
     if probe_data is not None and len(probe_data):
@@ -48,7 +49,8 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
     share = colocated and shares_policy_weights(actor.strategy, rollout.strategy)
     pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe, atol=probe_tolerance(actor, rollout),
                            share_role="actor" if share else None,
-                           adapter_only=syncs_policy_adapter(actor.strategy, rollout.strategy))
+                           adapter_only=syncs_policy_adapter(actor.strategy, rollout.strategy),
+                           transport=trainer.weight_sync_transport, delta=trainer.weight_sync_delta)
     pair.sync()
     return pair
 

@@ -51,7 +51,7 @@ class RLVRPipeline(Pipeline):
         self.reference, self.critic = reference_for(config, clusters), clusters.get("critic")
         self.reward_model = clusters.get("reward_model")
         self.update_pairs = [connect_policy(clusters, config.actor, config.rollout, config.colocate_actor_rollout,
-                                            self.val_data, self.tokenizer)]
+                                            self.val_data, self.tokenizer, config.trainer)]
         self.checkpoint_clusters = ["actor"] + (["critic"] if self.critic else [])
         self.sampling_clusters = ["rollout"]
         # Roles on the same devices take turns (trainer.offload_idle_roles): the rollout generates, then the

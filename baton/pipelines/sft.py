@@ -32,7 +32,8 @@ class SFTPipeline(Pipeline):
                                              None, 0, 1.0, config.reward_kwargs))},  # no overlong penalty
                                         fused=FUSED_POLICY if colocate else None)
         self.actor, self.rollout, self.reward = clusters["actor"], clusters["rollout"], clusters["reward"]
-        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer)]
+        self.update_pairs = [connect_policy(clusters, config.actor, rollout, colocate, self.val_data, self.tokenizer,
+                                            config.trainer)]
         self.checkpoint_clusters = ["actor"]
         self.sampling_clusters = ["rollout"]
         self.loss = SFTLoss()
