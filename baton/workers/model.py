@@ -65,23 +65,23 @@ class ModelWorker(Worker):
     def next_exported(self) -> WeightShards:
         """The next bucket of the export `begin_export` started, with its fingerprints (of what the destinations will
         read); no bucket once it is done (every rank ends at the same call: they cut their buckets alike)."""
-        group = next(self._exporting, None)
-        if group is None:
+        pieces = next(self._exporting, None)
+        if pieces is None:
             return WeightShards([])
         if self._export_transport == "collective":
-            sent, bucket = sync_group.pack(self._export_group, self.rank, pieces_bucket(group), self._export_dtype)
+            sent, bucket = sync_group.pack(self._export_group, self.rank, pieces_bucket(pieces), self._export_dtype)
             return WeightShards([sent], bucket_fingerprints(bucket))
         if self._export_transport == "shared_memory":
             if self._shared_slots is None:
                 self._shared_slots = SharedBucketRing()
             try:
-                sent, bucket = self._shared_slots.write(pieces_bucket(group), self._export_dtype)
+                sent, bucket = self._shared_slots.write(pieces_bucket(pieces), self._export_dtype)
                 return WeightShards([sent], bucket_fingerprints(bucket))
             except OSError as error:  # /dev/shm is full (a container's is often 64 MiB): the object store takes it
                 warnings.warn(f"weight sync through shared memory failed ({error}); this bucket goes through the "
                               "object store (give the container a larger /dev/shm, e.g. docker --shm-size)",
                               stacklevel=1)
-        bucket = pieces_bucket(group, self._export_dtype)
+        bucket = pieces_bucket(pieces, self._export_dtype)
         return WeightShards([put_bucket(bucket, self.context.backend)], bucket_fingerprints(bucket))
 
     @register(Dispatch.ONE_TO_ALL)

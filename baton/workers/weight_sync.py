@@ -5,9 +5,10 @@ Every source rank sends its own part of the weights, a bucket at a time (a shard
 and loads it while the sources make bucket k + 1, so the clusters may differ in world size and strategy and the
 driver only ever holds references. Where both clusters run on one node, the buckets go through the sources' two
 shared-memory slots (`baton.data.shared_buckets`): a source copies its rows in once, cast to the destination's dtype,
-and a destination copies them once more, into its parameters. Between nodes they go through Ray's object store.
-The destination then proves what it serves: the fingerprints of its weights, computed where they live, must equal
-the source's of what it sent (`check_fingerprints`); the forward-pass probe stays as an option. When the two roles
+and a destination copies them once more, into its parameters. Between nodes they go through Ray's object store, or
+gloo groups of the sync's own (`baton.workers.sync_group`). The destination then proves what it serves: the
+fingerprints of its weights, computed where they live as each bucket loads, must equal the source's of what it sent
+(`compare_fingerprints`); the forward-pass probe stays as an option. When the two roles
 share a process (`create_colocated_clusters`) the destination points its parameters at the source's tensors
 instead: nothing is copied.
 """
@@ -261,6 +262,5 @@ def assembled_buckets(shards: list[WeightShards],
                 check_generation(part.buckets[k])
 
 
-__all__ = ["ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints", "compare_fingerprints",
-           "fetch_bucket",
-           "probe_batch", "put_bucket"]
+__all__ = ["TRANSPORTS", "ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints",
+           "compare_fingerprints", "fetch_bucket", "on_one_host", "probe_batch", "put_bucket"]
