@@ -169,9 +169,10 @@ def test_bad_data_is_refused_before_the_run_directory_or_ray(tmp_path):
 @pytest.mark.parametrize("name, parallel, world_size, message", [
     ("fsdp2", {"tp": 3}, 3, r"tp: 3 does not divide this model's num_attention_heads \(4\)"),
     ("fsdp2", {"cp": 3}, 3, r"cp: 3 does not divide this model's num_attention_heads \(4\)"),
-    ("fsdp2", {"tp": 2}, 3, r"3 workers do not divide into dp_replicate 1 × cp 1 × tp 2; give the role a multiple of 2"),
+    ("fsdp2", {"tp": 2}, 3, r"3 workers do not divide into pp 1 × dp_replicate 1 × cp 1 × tp 2; give the role a multiple of 2"),
     ("hf", {"tp": 2}, 1, r"strategy 'hf' holds a whole model on each worker, so it takes no parallel layout"),
     ("fsdp2", {"cp": 2, "packing": True}, 2, r"packing: true with cp > 1: a context-parallel pass .* set packing: null"),
+    ("fsdp2", {"pp": 3}, 3, r"pp: 3 does not divide this model's 4 decoder layers into equal stages"),
 ])
 def test_a_parallel_layout_the_model_or_workers_cannot_take_is_refused_before_ray(tmp_path, name, parallel,
                                                                                    world_size, message):

@@ -61,10 +61,11 @@ def check_roles(config, trainer: TrainerConfig) -> None:
 
 def check_parallel(key: str, strategy: StrategyConfig, workers: int) -> None:
     """A parallel layout (`strategy.parallel`) is one the backend takes, the role's worker count divides into and the
-    model's heads and MLP split by."""
+    model's heads, MLP and layers split by."""
     if strategy.parallel == ParallelConfig():
         return
     from baton.strategy.context_parallel import check_context_parallel
+    from baton.strategy.pipeline_parallel import check_pipeline_parallel
     from baton.strategy.tensor_parallel import check_tensor_parallel
 
     try:
@@ -78,6 +79,8 @@ def check_parallel(key: str, strategy: StrategyConfig, workers: int) -> None:
             if strategy.packing:
                 raise ValueError("packing: true with cp > 1: a context-parallel pass splits padded rows by position "
                                  "and does not pack them; set packing: null (or false), or cp: 1")
+        if strategy.parallel.pp > 1:
+            check_pipeline_parallel(model, strategy)
     except ValueError as e:
         raise ConfigError(f"{key}.parallel: {e}") from None
 

@@ -112,7 +112,7 @@ class LoraConfig:
 @dataclass
 class ParallelConfig:
     """How the `fsdp2` strategy lays its workers out (`baton.strategy.mesh`): a device mesh of
-    dp_replicate × dp_shard × cp × tp workers, tp varying fastest. dp_shard is what the cluster's size leaves.
+    pp × dp_replicate × dp_shard × cp × tp workers, tp varying fastest. dp_shard is what the cluster's size leaves.
 
     tp: tensor parallel: each decoder layer's heads and MLP, the embedding and the LM head split over tp workers
         (`baton.strategy.tensor_parallel`); the log-probs never gather the logits.
@@ -120,29 +120,32 @@ class ParallelConfig:
         split of the heads after an all-to-all (`baton.strategy.context_parallel`).
     dp_replicate: HSDP: the model is sharded within groups of dp_shard × cp workers and replicated across
         dp_replicate such groups (gradients all-reduced across them).
-    Workers of one tp × cp group get the same rows; dp_replicate × dp_shard groups get different ones.
+    pp: pipeline parallel: the decoder layers split into pp contiguous stages, the first also holding the embedding
+        and the last the final norm and the RL head, run on a 1F1B schedule (`baton.strategy.pipeline_parallel`).
+    Workers of one pp × tp × cp group get the same rows; dp_replicate × dp_shard groups get different ones.
     """
 
     tp: int = 1
     cp: int = 1
     dp_replicate: int = 1
+    pp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "cp", "dp_replicate"):
+        for name in ("tp", "cp", "dp_replicate", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel {name}={getattr(self, name)} must be at least 1")
 
     @property
     def model_parallel_size(self) -> int:
-        """Workers in each group that holds one copy of the data: tp × cp."""
-        return self.tp * self.cp
+        """Workers in each group that holds one copy of the data: pp × tp × cp."""
+        return self.pp * self.tp * self.cp
 
     def dp_shard(self, world_size: int) -> int:
         """The sharding degree `world_size` workers leave, or ValueError naming the sizes that do not fit."""
-        per_shard = self.dp_replicate * self.cp * self.tp
+        per_shard = self.pp * self.dp_replicate * self.cp * self.tp
         if world_size % per_shard:
-            raise ValueError(f"{world_size} workers do not divide into dp_replicate {self.dp_replicate} × cp {self.cp} × "
-                             f"tp {self.tp}; give the role a multiple of {per_shard} workers")
+            raise ValueError(f"{world_size} workers do not divide into pp {self.pp} × dp_replicate {self.dp_replicate} × "
+                             f"cp {self.cp} × tp {self.tp}; give the role a multiple of {per_shard} workers")
         return world_size // per_shard
 
 
@@ -172,7 +175,7 @@ class StrategyConfig:
         (kind causal_lm, strategy hf): only the adapter's weights are in the optimizer, checkpoints hold the adapter,
         exported weights (the weight sync's) are merged into plain HF names, and an RLVR reference that is the
         initial model is this model with the adapter off (no second copy).
-    parallel: the `fsdp2` strategy's device mesh (`ParallelConfig`: tp, cp, dp_replicate); the other strategies
+    parallel: the `fsdp2` strategy's device mesh (`ParallelConfig`: tp, cp, dp_replicate, pp); the other strategies
         take only the default (one worker holds the whole model).
     dtype: the parameters' dtype, and so the optimizer's: AdamW updates parameters of this dtype.
     compute_dtype: None computes in `dtype`; "bfloat16" is mixed precision: the parameters stay in

@@ -27,7 +27,7 @@ class Capabilities:
         model of its own and they would drift apart.
     trains_lora: trains a LoRA adapter on its frozen model (`StrategyConfig.lora`).
     devices_per_worker: drives several devices from one worker process (tensor-parallel inference).
-    parallel_layouts: splits one model over workers by tensor, context and replicated-shard dimensions
+    parallel_layouts: splits one model over workers by tensor, context, pipeline-stage and replicated-shard dimensions
         (`StrategyConfig.parallel`), and says each worker's place in that layout (`rank_info`).
     filtered_log_probs: reports the log-probs of the top-k / top-p filtered distribution, which the actor does not
         recompute (so sampling filters are refused).

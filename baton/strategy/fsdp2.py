@@ -1,6 +1,7 @@
 """The FSDP2 strategy: one model sharded over the cluster's workers with torch's `fully_shard`, on a device mesh
-(`strategy.parallel`: `baton.strategy.mesh`) that may also split it by tensors (tp) and sequences (cp) and
-replicate the shards (HSDP).
+(`strategy.parallel`: `baton.strategy.mesh`) that may also split it by tensors (tp), sequences (cp) and layers (pp:
+pipeline stages, `baton.strategy.pipeline_parallel`, each sharded over its own ranks) and replicate the shards
+(HSDP).
 
 torch.distributed is initialised from the environment the cluster sets (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) by `baton.distributed.rendezvous`, whose store listens on MASTER_ADDR
@@ -26,9 +27,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from baton.data import DataProto
 from baton.data.shards import WeightPiece
 from baton.distributed.rendezvous import init_process_group
+from baton.strategy.base import LossFn
 from baton.strategy.context_parallel import use_ulysses_attention
-from baton.strategy.hf import TorchStrategy, default_device
+from baton.strategy.hf import LossTally, TorchStrategy, default_device
 from baton.strategy.mesh import ParallelMesh
+from baton.strategy.pipeline_parallel import Pipeline, check_pipeline_parallel, split_into_stage
 from baton.strategy.tensor_parallel import parallelize_tensors
 
 
@@ -49,6 +52,7 @@ class Fsdp2Strategy(TorchStrategy):
         device = device or default_device()
         self.mesh = ParallelMesh.build(config.parallel, device.type)
         self.rank_info = self.mesh.rank_info
+        self.pipeline: Pipeline | None = None  # with pp > 1, this rank's stage's schedules (set by `_wrap`)
         super().__init__(config, device)
 
     def _wrap(self, module):
@@ -60,6 +64,12 @@ class Fsdp2Strategy(TorchStrategy):
         # Each layer gathers its weights at each call, so every rank must call the decoder alike: once per micro-batch
         # whatever its rows (no prompt-sharing pass, no pass per packed bin), or ranks would pair unlike collectives.
         module.one_pass = self.world_size > 1
+        # The whole model's weights and ties, in its order: what every rank names in a weight sync and a checkpoint,
+        # whichever pipeline stage it holds.
+        self.weight_shapes = {name: (tuple(t.shape), t.dtype) for name, t in module.model.state_dict().items()}
+        self._ties = super()._tied_names()
+        if self.config.parallel.pp > 1:
+            self.pipeline = self._pipeline(module)
         if self.config.parallel.tp > 1:
             parallelize_tensors(module.model, self.mesh.tp)
         if self.config.parallel.cp > 1:
@@ -69,9 +79,22 @@ class Fsdp2Strategy(TorchStrategy):
             use_ulysses_attention(module.model, self.config.parallel.cp)
             module.context_parallel = self.mesh.cp.get_group()
         for layer in module.model.base_model.layers:
-            fully_shard(layer, mesh=self.mesh.fsdp, mp_policy=policy)
+            if layer is not None:  # None: another pipeline stage's
+                fully_shard(layer, mesh=self.mesh.fsdp, mp_policy=policy)
         fully_shard(module, mesh=self.mesh.fsdp, mp_policy=policy)
         return module
+
+    def _pipeline(self, module) -> Pipeline:
+        """Keep this rank's stage of `module` (`split_into_stage`); its schedules over the pipeline group."""
+        pp = self.config.parallel.pp
+        check_pipeline_parallel(module.model.config, self.config)
+        module.stage = split_into_stage(module.model, self.rank_info.pp_rank, pp)
+        tied_group = None
+        if module.stage.tied:  # each place in a stage: its ranks in the first and the last stage
+            places = self.mesh.mesh.mesh.reshape(pp, -1).T.tolist()
+            tied_group, _ = dist.new_subgroups_by_enumeration([[ranks[0], ranks[-1]] for ranks in places])
+        return Pipeline(self.mesh.pp.get_group(), module.stage, self.config.mixed_precision_dtype or
+                        self.config.torch_dtype, self.device, tied_group)
 
     def _autocast(self):
         """No autocast: the `MixedPrecisionPolicy` casts the parameters for compute."""
@@ -86,6 +109,26 @@ class Fsdp2Strategy(TorchStrategy):
             return super()._eval_outputs(batch, temperature, top_k)
         finally:
             self.module.reshard()
+
+    def _micro_batch_outputs(self, micro_batches: list[DataProto], temperature: float,
+                             top_k: int) -> list[dict[str, torch.Tensor]]:
+        """With pp, the micro-batches through the stages; every stage returns the last one's outputs."""
+        if self.pipeline is None:
+            return super()._micro_batch_outputs(micro_batches, temperature, top_k)
+        parts = self.pipeline.forward(micro_batches, lambda micro_batch, hidden: self._outputs(
+            micro_batch, temperature, top_k=top_k, hidden_states=hidden))
+        return self.pipeline.from_last([{key: value.cpu() for key, value in part.items()} for part in parts])
+
+    def _accumulate_gradients(self, micro_batches: list[DataProto], loss_fn: LossFn, global_units: float) -> LossTally:
+        """With pp, the micro-batches on the 1F1B schedule; every stage reports the last one's tally."""
+        if self.pipeline is None:
+            return super()._accumulate_gradients(micro_batches, loss_fn, global_units)
+        tally = LossTally()
+        self.pipeline.train(micro_batches, lambda micro_batch, hidden: self._train_outputs(micro_batch, loss_fn, hidden),
+                            lambda outputs, micro_batch: self._scaled_loss(outputs, micro_batch, loss_fn, global_units,
+                                                                           tally))
+        self.pipeline.sum_tied_gradients(self.hf_model)
+        return self.pipeline.from_last(tally)
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         """Summed over the ranks that hold different rows (a tp × cp group holds the same ones)."""
@@ -106,13 +149,18 @@ class Fsdp2Strategy(TorchStrategy):
         return float(self.mesh.fsdp_size)
 
     def _clip_gradients(self) -> float:
-        """The gradient norm over every rank's parameters, each element counted once (a shard by the ranks that hold
-        it, a replicated tensor once), then every gradient scaled to `grad_clip`."""
+        """The gradient norm over every rank's parameters (every pipeline stage's), each element counted once (a shard
+        by the ranks that hold it, a replicated tensor once, a tied embedding as the first stage's), then every
+        gradient scaled to `grad_clip`."""
+        tied_copy = None if self.pipeline is None else self.pipeline.tied_copy(self.hf_model)
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        stage_size = self.world_size // self.config.parallel.pp  # the ranks that hold this stage's parameters
         for grad in grads:
+            if tied_copy is not None and grad is tied_copy.grad:
+                continue
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            squares += torch.linalg.vector_norm(local, dtype=torch.float32) ** 2 / _copies(grad, self.world_size)
+            squares += torch.linalg.vector_norm(local, dtype=torch.float32) ** 2 / _copies(grad, stage_size)
         squares = squares.to(self._collective_device)
         dist.all_reduce(squares)
         norm = float(squares.sqrt())
@@ -136,56 +184,67 @@ class Fsdp2Strategy(TorchStrategy):
         return pieces
 
     def weight_pieces(self) -> Iterator[WeightPiece]:
-        """Each weight's rows as this rank holds them once laid out by rows over its mesh (a sharded weight is
-        redistributed, an all-to-all at most, never gathered whole); a rank sends them where no lower rank holds the
-        same rows (the first of a weight's replicas, the one holding rank 0)."""
+        """Every weight of the whole model, each as this rank holds its rows once laid out by rows over its mesh (a
+        sharded weight is redistributed, an all-to-all at most, never gathered whole); a rank sends them where no
+        lower rank of its pipeline stage holds the same rows (the first of a weight's replicas, the one holding the
+        stage's first rank). Another stage's weights come with no rows."""
         state = self.hf_model.state_dict()
-        for name, tied_to in self._tied_order(state):
-            tensor = state[name]
-            shape = tuple(tensor.shape)
+        first = self.mesh.stage_first_rank
+        for name, tied_to in self._tied_order(self.weight_shapes):
+            shape, dtype = self.weight_shapes[name]
+            tensor = state.get(name)
             if tied_to is not None:
-                yield WeightPiece(name, None, shape, tensor.dtype, 0, tied_to)
+                yield WeightPiece(name, None, shape, dtype, 0, tied_to)
+            elif tensor is None:
+                yield WeightPiece(name, None, shape, dtype)
             elif isinstance(tensor, DTensor) and tensor.dim() > 0:
                 mesh = tensor.device_mesh
                 by_rows = tensor.redistribute(mesh, [Shard(0)] * mesh.ndim)
                 _, offset = compute_local_shape_and_global_offset(shape, mesh, by_rows.placements)
-                sends = bool((mesh.mesh == 0).any())
-                yield WeightPiece(name, by_rows.to_local() if sends else None, shape, tensor.dtype, offset[0])
+                sends = bool((mesh.mesh == first).any())
+                yield WeightPiece(name, by_rows.to_local() if sends else None, shape, dtype, offset[0])
             else:
                 whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                yield WeightPiece(name, whole if self.rank == 0 else None, shape, tensor.dtype)
+                yield WeightPiece(name, whole if self.rank == first else None, shape, dtype)
 
     def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:
         return None  # a sharded model's weights are not computed here; a sync into one is probe-checked
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU.
+        """Gathers one parameter at a time (all ranks take part); only rank 0 keeps the full tensors, on CPU (with pp,
+        each stage's first rank its stage's, which rank 0 then joins: the stages hold the model's weights in order).
 
         Tied names (the embeddings and the LM head) get one shared tensor, as in HF's own state dict, so
         `save_pretrained` writes it once."""
-        first_name: dict[int, str] = {}
-        tied = {name: first_name.setdefault(id(param), name)
-                for name, param in self.hf_model.named_parameters(remove_duplicate=False)}
+        tied = self._tied_names()
         full = {}
         for name, tensor in self.hf_model.state_dict().items():
             if tied.get(name, name) != name:
                 continue
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            if self.rank == 0:
+            if self.rank == self.mesh.stage_first_rank:
                 full[name] = tensor.detach().cpu()
+        full = {name: tensor for stage in self._join_stages(full) for name, tensor in stage.items()}
         if self.rank == 0:
             full.update({name: full[first] for name, first in tied.items() if first != name})
         return full
 
     def _load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The weights of `state` this rank holds (with pp, its stage's; a stage's copy of a tied embedding takes the
+        embedding's value)."""
         own = self.hf_model.state_dict()
-        unknown = set(state) - set(own)
+        unknown = set(state) - set(self.weight_shapes)
         if unknown:
             raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in this model; the two sides hold different architectures")
+        tied = self._tied_names()
+        values = {tied.get(name, name): value for name, value in state.items()}  # by the weight's first name
         with torch.no_grad():
-            for name, value in state.items():
-                target = own[name]
+            for name, target in own.items():
+                first = tied.get(name, name)
+                if (first != name and first in own) or first not in values:  # a tied name of a weight loaded as such
+                    continue
+                value = values[first]
                 if isinstance(target, DTensor):
                     target.to_local().copy_(self._shard_like(value, target).to_local())
                 else:
@@ -200,11 +259,34 @@ class Fsdp2Strategy(TorchStrategy):
     def _rank_suffix(self) -> str:
         return f"_rank{self.rank}"
 
+    def _tied_names(self) -> dict[str, str]:
+        """As the whole model ties its weights (recorded before a pipeline stage keeps its part)."""
+        return self._ties
+
+    def _retie_weights(self) -> None:
+        """Pipeline stages hold no tie to restore (a tied copy is loaded as the embedding's value)."""
+        if self.pipeline is None:
+            super()._retie_weights()
+
+    def _optimizer_param_names(self) -> list[str]:
+        """A pipeline stage's copy of a tied embedding under the embedding's name: saved once, loaded into both."""
+        tied = {f"model.{alias}": f"model.{name}" for alias, name in self._tied_names().items()}  # RLHead's `model`
+        return [tied.get(name, name) for name in super()._optimizer_param_names()]
+
+    def _join_stages(self, part):
+        """Gathered from each stage's first rank (the pipeline group of rank 0) to rank 0."""
+        if self.pipeline is None:
+            return [part]
+        return self.pipeline.gather(part) if self.rank == self.mesh.stage_first_rank else []
+
+    def _every_stage(self, part):
+        return [part] if self.pipeline is None else self.pipeline.all_gather(part)
+
     def _whole_tensor(self, tensor):
         if not isinstance(tensor, DTensor):
             return tensor
-        whole = tensor.full_tensor()  # a collective: every rank gathers each state tensor in the same order
-        return whole.cpu() if self._is_writer() else None
+        whole = tensor.full_tensor()  # a collective: every rank of the stage gathers each state tensor in one order
+        return whole.cpu() if self.rank == self.mesh.stage_first_rank else None
 
     def _shard_like(self, value, param: torch.Tensor):
         if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0):

@@ -1,6 +1,7 @@
 """`RLHead`: a causal LM or critic as one module whose forward gives what RL needs of the response tokens (log-probs
 and entropy, values, top-k), from the hidden states a chunk at a time; the LM head whole or split by vocabulary over a
-tensor-parallel group (`baton.strategy.vocab_parallel`)."""
+tensor-parallel group (`baton.strategy.vocab_parallel`); or one pipeline stage of them
+(`baton.strategy.pipeline_parallel`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from baton.strategy.logprobs import (
     chunk_tokens, position_ids_from_mask, response_hidden_states, token_log_probs, token_log_probs_at, token_top_k,
 )
 from baton.strategy.packing import resolve_packing
+from baton.strategy.pipeline_parallel import Stage, stage_hidden_states
 from baton.strategy.tensor_parallel import vocab_shard
 from baton.strategy.vocab_parallel import vocab_parallel_token_log_probs
 
@@ -23,7 +25,8 @@ class RLHead(torch.nn.Module):
     causal LMs: {"log_probs", "entropy"}; kind "value" (token classifiers): {"values"}; each [rows, response_len].
     A causal LM given `log_probs_at` (token ids [rows, response_len, k]) also returns "log_probs_at", the log-probs
     of those ids [rows, response_len, k]; given `top_k` > 0 it returns only "top_k_log_probs" and "top_k_ids"
-    [rows, response_len, top_k] (`token_top_k`).
+    [rows, response_len, top_k] (`token_top_k`). A pipeline stage (`stage` set) but the last returns
+    {"hidden_states"} [rows, seq, hidden] for the next stage, which passes them in as `hidden_states`.
     """
 
     def __init__(self, model: torch.nn.Module, kind: str, chunk_size: int, packing: bool | None = False):
@@ -34,11 +37,19 @@ class RLHead(torch.nn.Module):
         self.packing = resolve_packing(packing, model)  # see `response_hidden_states`
         self.one_pass = False  # set by a strategy that shards the model over ranks (`response_hidden_states`)
         self.context_parallel = None  # a process group over which each sequence is split (`context_parallel`)
+        self.stage: Stage | None = None  # the pipeline stage this module holds (`split_into_stage`); None: all of it
 
     def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
                 with_entropy: bool = True, entropy_grad: bool = True, log_probs_at: torch.Tensor | None = None,
-                top_k: int = 0) -> dict[str, torch.Tensor]:
+                top_k: int = 0, hidden_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         response_len = responses.shape[1]
+        if self.stage is not None:
+            hidden = stage_hidden_states(self.model, self.stage, input_ids, hidden_states, attention_mask,
+                                         position_ids)
+            if not self.stage.is_last:
+                return {"hidden_states": hidden}
+            return self._head(hidden[:, -response_len - 1 : -1], attention_mask[:, -response_len:].bool(), responses,
+                              temperature, with_entropy, entropy_grad, log_probs_at, top_k)
         if self.kind == "value" and getattr(self.model, "score", None) is None:  # not a Qwen2/Llama-style classifier
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
             return {"values": logits[:, -response_len - 1 : -1, 0].float()}

@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -98,6 +99,15 @@ def lr_lambda(config: StrategyConfig):
     return factor
 
 
+@dataclass
+class LossTally:
+    """A rank's loss (summed over its micro-batches, over the global unit count) and its loss function's metrics
+    (name -> [sum, count], see `LossFn`)."""
+
+    loss: float = 0.0
+    metric_sums: dict[str, list[float]] = field(default_factory=dict)
+
+
 class TorchStrategy:
     """Everything but generation, for a torch model: forward, train_step, weights, checkpoints, offload.
 
@@ -170,12 +180,23 @@ class TorchStrategy:
     def _rank_suffix(self) -> str:
         return ""
 
+    def _join_stages(self, part):
+        """Every pipeline stage's `part` (a stage's first rank's), in stage order, on the writer; one stage: [part]."""
+        return [part]
+
+    def _every_stage(self, part):
+        """Every pipeline stage's `part`, in stage order, on every rank; one stage: [part]."""
+        return [part]
+
     # --- inference ------------------------------------------------------------------------------
 
     def _outputs(self, batch: DataProto, temperature: float, with_entropy: bool = True, entropy_grad: bool = True,
-                 log_probs_at: str | None = None, top_k: int = 0) -> dict[str, torch.Tensor]:
-        """The module's outputs (see `RLHead`); `log_probs_at` names a batch column of token ids [rows, len, k]. Runs
-        without the batch's all-padding columns (`trim_padding`); the outputs come back at the batch's width."""
+                 log_probs_at: str | None = None, top_k: int = 0,
+                 hidden_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The module's outputs (see `RLHead`); `log_probs_at` names a batch column of token ids [rows, len, k];
+        `hidden_states`: a pipeline stage's input from the previous stage. Runs without the batch's all-padding columns
+        (`trim_padding`); the outputs come back at the batch's width (a stage's hidden states, at the trimmed one: the
+        next stage trims alike)."""
         tail = 0
         if self.config.trim_padding:
             batch, tail = trim_padding(batch)
@@ -191,15 +212,20 @@ class TorchStrategy:
         with self._autocast():
             outputs = self.module(data["input_ids"].to(self.device), attention_mask, position_ids,
                                   data["responses"].to(self.device), temperature, with_entropy, entropy_grad,
-                                  log_probs_at=ids, top_k=top_k)
-        return pad_responses(outputs, tail)
+                                  log_probs_at=ids, top_k=top_k, hidden_states=hidden_states)
+        return outputs if "hidden_states" in outputs else pad_responses(outputs, tail)
 
     @torch.no_grad()
     def _eval_outputs(self, batch: DataProto, temperature: float, top_k: int = 0) -> DataProto:
         """The module's outputs over the batch's micro-batches, joined on CPU (a padding micro-batch's rows cut)."""
         self.module.eval()
-        parts = [self._outputs(mb, temperature, top_k=top_k) for mb in self._micro_batches(batch)]
+        parts = self._micro_batch_outputs(self._micro_batches(batch), temperature, top_k)
         return DataProto.from_dict({k: torch.cat([p[k] for p in parts])[: len(batch)].cpu() for k in parts[0]})
+
+    def _micro_batch_outputs(self, micro_batches: list[DataProto], temperature: float,
+                             top_k: int) -> list[dict[str, torch.Tensor]]:
+        """The module's outputs of each micro-batch (`_outputs`)."""
+        return [self._outputs(micro_batch, temperature, top_k=top_k) for micro_batch in micro_batches]
 
     def forward(self, batch: DataProto, temperature: float = 1.0) -> DataProto:
         return self._eval_outputs(batch, temperature)
@@ -244,23 +270,7 @@ class TorchStrategy:
         [global_units] = self._all_reduce_sum([local_units])
         global_units = max(global_units, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, metric_sums = 0.0, {}  # metric_sums: name -> [sum, count] over this rank's micro-batches
-        for micro_batch in self._micro_batches(batch):
-            # A loss with `log_probs_at` (a column of token ids [rows, len, k]) also gets their log-probs (distillation).
-            outputs = self._outputs(micro_batch, temperature=sampling_temperature(micro_batch),
-                                    entropy_grad=getattr(loss_fn, "entropy_grad", True),
-                                    log_probs_at=getattr(loss_fn, "log_probs_at", None))
-            micro_batch = micro_batch.to(self.device)
-            loss_sum, metrics = loss_fn(outputs, micro_batch)
-            padding = micro_batch.meta_info.get("baton_padding")  # keeps collectives in step; contributes nothing
-            if padding:
-                loss_sum = loss_sum * 0.0
-            (loss_sum * (self._grad_scale / global_units)).backward()
-            loss_total += float(loss_sum.detach()) / global_units
-            for key, value in metrics.items():
-                total, count = (0.0, 0.0) if padding else metric_sum_count(value)
-                sums = metric_sums.setdefault(key, [0.0, 0.0])
-                sums[0], sums[1] = sums[0] + total, sums[1] + count
+        tally = self._accumulate_gradients(self._micro_batches(batch), loss_fn, global_units)
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() sets the next step's
         self.optimizer.step()
@@ -268,10 +278,42 @@ class TorchStrategy:
         self.global_step += 1
         # One collective for the loss and every metric: [loss, sum_1, count_1, sum_2, count_2, ...]; the same
         # names on every rank (see `LossFn`), in sorted order.
-        names = sorted(metric_sums)
-        totals = self._all_reduce_sum([loss_total, *(x for name in names for x in metric_sums[name])])
+        names = sorted(tally.metric_sums)
+        totals = self._all_reduce_sum([tally.loss, *(x for name in names for x in tally.metric_sums[name])])
         metrics = {name: totals[1 + 2 * i] / max(totals[2 + 2 * i], 1.0) for i, name in enumerate(names)}
         return {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, **metrics}
+
+    def _accumulate_gradients(self, micro_batches: list[DataProto], loss_fn: LossFn, global_units: float) -> LossTally:
+        """Forward and backward of each micro-batch, the gradients summed in the parameters; this rank's tally."""
+        tally = LossTally()
+        for micro_batch in micro_batches:
+            outputs = self._train_outputs(micro_batch, loss_fn)
+            self._scaled_loss(outputs, micro_batch, loss_fn, global_units, tally).backward()
+        return tally
+
+    def _train_outputs(self, micro_batch: DataProto, loss_fn: LossFn,
+                       hidden_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The outputs `loss_fn` takes. A loss with `log_probs_at` (a column of token ids [rows, len, k]) also gets
+        their log-probs (distillation)."""
+        return self._outputs(micro_batch, temperature=sampling_temperature(micro_batch),
+                             entropy_grad=getattr(loss_fn, "entropy_grad", True),
+                             log_probs_at=getattr(loss_fn, "log_probs_at", None), hidden_states=hidden_states)
+
+    def _scaled_loss(self, outputs: dict[str, torch.Tensor], micro_batch: DataProto, loss_fn: LossFn,
+                     global_units: float, tally: LossTally) -> torch.Tensor:
+        """The micro-batch's loss as its backward pass takes it (over the global unit count, times `_grad_scale`);
+        its loss and metrics added to `tally`."""
+        micro_batch = micro_batch.to(self.device)
+        loss_sum, metrics = loss_fn(outputs, micro_batch)
+        padding = micro_batch.meta_info.get("baton_padding")  # keeps collectives in step; contributes nothing
+        if padding:
+            loss_sum = loss_sum * 0.0
+        tally.loss += float(loss_sum.detach()) / global_units
+        for key, value in metrics.items():
+            total, count = (0.0, 0.0) if padding else metric_sum_count(value)
+            sums = tally.metric_sums.setdefault(key, [0.0, 0.0])
+            sums[0], sums[1] = sums[0] + total, sums[1] + count
+        return loss_sum * (self._grad_scale / global_units)
 
     def _clip_gradients(self) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
@@ -453,6 +495,10 @@ class TorchStrategy:
             if name.endswith(".safetensors"):
                 state.update(load_file(os.path.join(path, name)))
         self._load_full_state_dict(state)
+        self._retie_weights()
+
+    def _retie_weights(self) -> None:
+        """A tied LM head shares the embedding's tensor again after a load."""
         if getattr(self.hf_model.config, "tie_word_embeddings", False):
             self.hf_model.tie_weights()
 
@@ -475,10 +521,13 @@ class TorchStrategy:
         names = self._optimizer_param_names()
         whole = {names[index]: {key: self._whole_tensor(value) for key, value in entry.items()}
                  for index, entry in sorted(state["state"].items())}
+        group_names = [[names[index] for index in group["params"]] for group in state["param_groups"]]
+        stages = self._join_stages((whole, group_names))
         if not self._is_writer():
             return {}
-        groups = [{**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]]
-        return {"state": whole, "param_groups": groups}
+        groups = [{**group, "params": list(dict.fromkeys(name for _, names in stages for name in names[i]))}
+                  for i, group in enumerate(state["param_groups"])]  # a tied embedding is in two stages
+        return {"state": {name: entry for part, _ in stages for name, entry in part.items()}, "param_groups": groups}
 
     def _load_optimizer_state(self, state: dict) -> None:
         """Load what `_optimizer_state` saved (or, from checkpoints before it, torch's state_dict keyed by index)."""
@@ -488,16 +537,17 @@ class TorchStrategy:
             return
         index = {name: i for i, name in enumerate(names)}
         saved = [name for group in state["param_groups"] for name in group["params"]]
-        if sorted(saved) != sorted(names):
-            missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+        every = {name for stage in self._every_stage(names) for name in stage}  # a tied embedding is in two stages
+        if sorted(saved) != sorted(every):
+            missing, extra = sorted(set(every) - set(saved)), sorted(set(saved) - set(every))
             raise ValueError(f"the checkpoint's optimizer state is for other parameters (missing {missing[:3]}, extra "
                              f"{extra[:3]}); it was saved by a different model or LoRA setting")
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict({
+        self.optimizer.load_state_dict({  # this stage's parameters of the saved ones
             "state": {index[name]: {key: self._shard_like(value, params[index[name]]) for key, value in entry.items()}
-                      for name, entry in state["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in state["param_groups"]],
+                      for name, entry in state["state"].items() if name in index},
+            "param_groups": [{**group, "params": sorted(index[name] for name in group["params"] if name in index)}
+                             for group in state["param_groups"]],  # in the optimizer's order, which torch maps by
         })
 
     def _optimizer_param_names(self) -> list[str]:
