@@ -16,7 +16,7 @@ from test_strategy_distributed import TEXTS
 
 from baton.data import DataProto, TensorBucket
 from baton.data.shards import (
-    WeightShards, bucket_fingerprints, differing, fingerprint, joined_fingerprints, pieces_buckets,
+    WeightShards, add_fingerprints, bucket_fingerprints, differing, fingerprint, joined_fingerprints, pieces_buckets,
 )
 from baton.models import load_tokenizer
 from baton.pipelines.base import run_pipeline
@@ -239,7 +239,7 @@ def test_every_rank_sends_its_rows_and_the_destination_puts_the_weights_back_tog
     shards = [WeightShards([TensorBucket(**bucket) for bucket in rank["buckets"]]) for rank in ranks]
     for part in shards:
         for bucket in part.buckets:
-            part.fingerprints.update(bucket_fingerprints(bucket))
+            add_fingerprints(part.fingerprints, bucket_fingerprints(bucket))
     whole = ranks[0]["whole"]
     assert len({len(part.buckets) for part in shards}) == 1 and len(shards[0].buckets) > 2
     sent = [sum(t.numel() for bucket in part.buckets for t in bucket.tensors.values()) for part in shards]

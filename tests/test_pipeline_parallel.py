@@ -14,10 +14,11 @@ from test_parallel import LOSSES, check_same_training, config, driver_run, train
 
 from baton.config import ConfigError
 from baton.data import DataProto, TensorBucket
-from baton.data.shards import assemble, pieces_buckets
+from baton.data.shards import WeightShards, pieces_buckets
 from baton.pipelines.preflight import check_parallel
 from baton.strategy import ParallelConfig, create_strategy
 from baton.strategy.fsdp2 import Fsdp2Strategy
+from baton.workers.weight_sync import assembled_buckets
 
 MODEL = "tiny-qwen2"  # 4 decoder layers; tied embeddings
 UNTIED = {"base": MODEL, "tie_word_embeddings": False}
@@ -120,7 +121,8 @@ def test_each_stage_sends_the_weights_it_holds_and_they_assemble_to_the_whole_mo
     assert "model.embed_tokens.weight" in sent[0] and "model.norm.weight" in sent[1] and not sent[0] & sent[1]
     assert "lm_head.weight" not in sent[0] | sent[1]
     assert {name.split(".")[2] for name in sent[1] if ".layers." in name} == {"2", "3"}  # global layer indices
-    assembled = {name: tensor for pair in zip(first, last) for name, tensor in assemble(list(pair)).items()}
+    assembled = {name: tensor for bucket in assembled_buckets([WeightShards(first), WeightShards(last)])
+                 for name, tensor in bucket.items()}  # a weight larger than a bucket: in blocks of rows
     whole = create_strategy(config()).hf_model.state_dict()
     assert assembled.keys() == whole.keys()
     for name, tensor in whole.items():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baton.data import TensorBucket
-from baton.data.shards import WeightPiece, assemble, fingerprint, pieces_buckets
+from baton.data.shards import WeightPiece, WeightShards, assemble, fingerprint, pieces_buckets
 
 MOD = 1 << 64
 
@@ -61,3 +61,41 @@ def test_every_rank_cuts_its_buckets_at_the_same_weights_and_tied_names_stay_wit
     cut = [[sorted(bucket.tensors) + sorted(bucket.aliases) for bucket in pieces_buckets(pieces(rank), 64, 2)]
            for rank in range(2)]
     assert cut == [[["a", "b", "b_tied"], ["c"]], [["a", "b_tied"], ["c"]]]  # 64 bytes a rank: a and b, then c
+
+
+def test_a_weight_larger_than_a_bucket_goes_in_blocks_of_rows_and_comes_back_whole():
+    from baton.workers.weight_sync import assembled_buckets
+
+    weight = torch.randn(10, 4)  # 160 bytes; a rank's bucket holds 32: 64 bytes of the whole weight, 4 rows
+
+    def pieces(rank: int):  # rank r holds rows 5r..5r+4, so blocks [4, 8) come from both ranks
+        yield WeightPiece("embed", weight[5 * rank : 5 * rank + 5], (10, 4), torch.float32, 5 * rank)
+        yield WeightPiece("head", None, (10, 4), torch.float32, tied_to="embed")
+        yield WeightPiece("norm", torch.ones(4) if rank == 0 else None, (4,), torch.float32)
+
+    shards = [WeightShards(list(pieces_buckets(pieces(rank), 32, 2))) for rank in range(2)]
+    assert [len(part.buckets) for part in shards] == [3, 3]  # rows 0-3, 4-7, then 8-9 and the norm: cut alike
+    loads = list(assembled_buckets(shards))
+    assert [sorted(load) for load in loads] == [[], [], ["embed", "head", "norm"]]
+    assert torch.equal(loads[2]["embed"], weight) and loads[2]["head"] is loads[2]["embed"]
+    with pytest.raises(ValueError, match=r"weights \['embed'\] arrived incomplete"):
+        list(assembled_buckets([WeightShards(part.buckets[:1] + part.buckets[2:]) for part in shards]))
+    # Streamed, one load per bucket: the blocks wait between the loads for the last one.
+    streamed = [WeightShards(part.buckets, stream="sync-1") for part in shards]
+    served = {"embed": torch.zeros(10, 4)}
+    for k in range(3):
+        for load in assembled_buckets([WeightShards([part.buckets[k]], stream="sync-1") for part in streamed],
+                                      _Model(served)):
+            assert k != 2 or load["embed"].data_ptr() == served["embed"].data_ptr()
+    assert torch.equal(served["embed"], weight)
+
+
+class _Model(torch.nn.Module):
+    """A destination model whose state dict is `tensors` (its own tensors take the blocks as they come)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.tensors = tensors
+
+    def state_dict(self, *args, **kwargs):
+        return self.tensors

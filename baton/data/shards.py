@@ -82,16 +82,19 @@ def _dot(words: torch.Tensor, hashes: torch.Tensor) -> int:
 @dataclass
 class WeightShards:
     """One source rank's part of a weight sync: its buckets (`TensorBucket`s of pieces, or object-store references to
-    them on Ray), every rank the same number, and the fingerprints of the pieces it sent, by weight name."""
+    them on Ray), every rank the same number, and the fingerprints of the pieces it sent, by weight name; `stream`:
+    the sync's id where it is loaded a bucket at a time."""
 
     buckets: list
     fingerprints: dict[str, int] = field(default_factory=dict)
+    stream: str | None = None  # a streamed sync's id: its buckets arrive over several loads (a weight's blocks too)
 
 
 class WeightPiece(NamedTuple):
     """One weight as one rank sends it: `rows`, its rows from `first_row` (None: another rank sends them), the whole
     weight's `shape` and `dtype`; a tied weight is sent once, its other names right after it with `tied_to` set and
-    no rows."""
+    no rows. `block`: the whole weight's rows [start, end) this piece belongs to, where a weight larger than a bucket
+    goes in blocks of rows over several buckets (None: the whole weight)."""
 
     name: str
     rows: torch.Tensor | None
@@ -99,21 +102,34 @@ class WeightPiece(NamedTuple):
     dtype: torch.dtype
     first_row: int = 0
     tied_to: str | None = None
+    block: tuple[int, int] | None = None
 
     @property
     def num_bytes(self) -> int:
-        """The whole weight's size (every rank counts the same, whatever its rows)."""
-        return 0 if self.tied_to is not None else math.prod(self.shape) * self.dtype.itemsize
+        """The whole weight's size, or its block's (every rank counts the same, whatever its rows)."""
+        return 0 if self.tied_to is not None else self.num_rows * _row_bytes(self.shape, self.dtype)
+
+    @property
+    def num_rows(self) -> int:
+        """The whole weight's rows, or its block's (a scalar counts as one row)."""
+        if self.block is not None:
+            return self.block[1] - self.block[0]
+        return self.shape[0] if self.shape else 1
 
     def cast(self, dtype: torch.dtype) -> "WeightPiece":
         return self._replace(rows=None if self.rows is None else self.rows.to(dtype), dtype=dtype)
 
 
+def _row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape[1:]) * dtype.itemsize
+
+
 def pieces_buckets(pieces: Iterable[WeightPiece], bucket_bytes: int, num_ranks: int,
                    dtype: torch.dtype | None = None) -> Iterator[TensorBucket]:
-    """One rank's `pieces` (a strategy's `weight_pieces`, each tied name right after its weight) in buckets, cut
-    where the weights' whole sizes reach `bucket_bytes` per rank: every one of `num_ranks` ranks cuts at the same
-    weights. `dtype`: floating weights cast to it (the destination's)."""
+    """One rank's `pieces` (a strategy's `weight_pieces`, each tied name right after its weight) in buckets of at most
+    `bucket_bytes` per rank of the weights' whole sizes (a larger weight in blocks of rows), cut where the next weight
+    would take a bucket past that: every one of `num_ranks` ranks cuts at the same weights and rows. `dtype`: floating
+    weights cast to it (the destination's)."""
     for group in pieces_groups(pieces, bucket_bytes, num_ranks, dtype):
         yield pieces_bucket(group, dtype)
 
@@ -122,16 +138,35 @@ def pieces_groups(pieces: Iterable[WeightPiece], bucket_bytes: int, num_ranks: i
                   dtype: torch.dtype | None = None) -> Iterator[list[WeightPiece]]:
     """`pieces_buckets`' cut, the pieces as they are (a shared-memory sync casts them as it copies them): weights
     counted at their size in `dtype` where given."""
+    limit = bucket_bytes * num_ranks
     group, size = [], 0
-    for piece in pieces:
-        if piece.tied_to is None and size >= bucket_bytes * num_ranks:  # a tied name stays with its weight
-            yield group
-            group, size = [], 0
-        group.append(piece)
-        size += piece.num_bytes if dtype is None or not piece.dtype.is_floating_point else (
-            piece.num_bytes // piece.dtype.itemsize * dtype.itemsize)
+    for whole in pieces:
+        sent_dtype = dtype if dtype is not None and whole.dtype.is_floating_point else whole.dtype
+        for piece in row_blocks(whole, limit, sent_dtype):
+            num_bytes = 0 if piece.tied_to is not None else piece.num_rows * _row_bytes(piece.shape, sent_dtype)
+            if group and piece.tied_to is None and size + num_bytes > limit:  # a tied name stays with its weight
+                yield group
+                group, size = [], 0
+            group.append(piece)
+            size += num_bytes
     if group:
         yield group
+
+
+def row_blocks(piece: WeightPiece, limit: int, dtype: torch.dtype) -> Iterator[WeightPiece]:
+    """`piece` as it is where its whole weight fits in `limit` bytes (as `dtype`), else in blocks of the whole weight's
+    rows that do (every rank cuts the same blocks), each with this rank's rows of it."""
+    row_bytes = _row_bytes(piece.shape, dtype)
+    if piece.tied_to is not None or not piece.shape or piece.shape[0] * row_bytes <= limit:
+        yield piece
+        return
+    per_block = max(1, limit // row_bytes)
+    held = 0 if piece.rows is None else piece.rows.shape[0]
+    for start in range(0, piece.shape[0], per_block):
+        end = min(piece.shape[0], start + per_block)
+        first, last = max(start, piece.first_row), min(end, piece.first_row + held)
+        rows = piece.rows[first - piece.first_row : last - piece.first_row] if first < last else None
+        yield piece._replace(rows=rows, first_row=first if rows is not None else start, block=(start, end))
 
 
 def pieces_bucket(pieces: list[WeightPiece], dtype: torch.dtype | None = None) -> TensorBucket:
@@ -157,15 +192,28 @@ def bucket_fingerprints(bucket: TensorBucket) -> dict[str, int]:
             for name, rows in bucket.tensors.items()}
 
 
-def assemble(buckets: list[TensorBucket],
-             into: Callable[[str], torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+class PartialWeights:
+    """The weights a streaming destination has received part of: those larger than a bucket arrive as blocks of rows
+    over several buckets (`row_blocks`), each put together in place as its blocks come (`assemble`), with the tied
+    names that wait for them."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        self.aliases: dict[str, str] = {}
+
+
+def assemble(buckets: list[TensorBucket], into: Callable[[str], torch.Tensor | None] | None = None,
+             partial: PartialWeights | None = None) -> dict[str, torch.Tensor]:
     """Bucket k of every source rank, in rank order → the whole weights it holds (a weight with one piece is that
     piece, not a copy). A weight of several pieces is put together in `into(name)` where that gives a plain tensor of
     its shape and dtype (the destination's own: the pieces are copied once, straight into it), else in a new one.
-    ValueError where the pieces do not make up a weight's shape."""
+    `partial`: a weight that arrives in blocks of rows over several buckets is kept there until its last block, and
+    returned with that bucket's weights. ValueError where the pieces do not make up a weight's shape (with `partial`:
+    where they overrun it)."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    aliases: dict[str, str] = {}
+    aliases: dict[str, str] = {} if partial is None else partial.aliases
     for bucket in buckets:
         for name, tensor in bucket.tensors.items():
             pieces.setdefault(name, []).append((bucket.offsets.get(name, 0), tensor))
@@ -173,23 +221,37 @@ def assemble(buckets: list[TensorBucket],
         aliases.update(bucket.aliases)
     whole = {}
     for name, parts in pieces.items():
-        rows = [0]
+        shape, rows = shapes[name], [0]
         for first, tensor in parts:
             rows.append(rows[-1] + (tensor.shape[0] if tensor.dim() else 1))
-        if len(parts) == 1 or rows[-1] != shapes[name][0] or any(
-                first != row for (first, _), row in zip(parts, rows)):
-            tensor = parts[0][1] if len(parts) == 1 else torch.cat([tensor for _, tensor in parts])
-        else:
-            tensor = _target(into, name, shapes[name], parts[0][1])
+        in_order = all(first == row for (first, _), row in zip(parts, rows))
+        if len(parts) == 1 and tuple(parts[0][1].shape) == shape:
+            whole[name] = parts[0][1]
+        elif in_order and shape and rows[-1] == shape[0]:
+            whole[name] = _target(into, name, shape, parts[0][1])
             for (first, part), end in zip(parts, rows[1:]):
-                tensor[first:end].copy_(part)
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"weight {name!r} arrived as pieces of shape {tuple(tensor.shape)}, not its "
-                             f"{shapes[name]}; the sources' buckets are not one sync's")
-        whole[name] = tensor
-    for alias, name in aliases.items():
+                whole[name][first:end].copy_(part)
+        elif partial is not None and shape:
+            if name not in partial.tensors:
+                partial.tensors[name], partial.rows[name] = _target(into, name, shape, parts[0][1]), 0
+            for first, part in parts:
+                partial.tensors[name][first : first + part.shape[0]].copy_(part)
+                partial.rows[name] += part.shape[0]
+            if partial.rows[name] > shape[0]:
+                raise ValueError(f"weight {name!r} arrived as {partial.rows[name]} rows, more than its {shape}; the "
+                                 "sources' buckets are not one sync's")
+            if partial.rows[name] == shape[0]:
+                whole[name] = partial.tensors.pop(name)
+                del partial.rows[name]
+        else:
+            got = tuple(torch.cat([tensor for _, tensor in parts]).shape) if len(parts) > 1 else tuple(parts[0][1].shape)
+            raise ValueError(f"weight {name!r} arrived as pieces of shape {got}, not its {shape}; the sources' buckets "
+                             "are not one sync's")
+    for alias, name in list(aliases.items()):
         if name in whole:
             whole[alias] = whole[name]
+            if partial is not None:
+                del aliases[alias]
     return whole
 
 
@@ -206,8 +268,14 @@ def joined_fingerprints(shards: list[WeightShards]) -> dict[str, int]:
     """Each weight's fingerprint from every rank's pieces' (the whole tensor's, by construction)."""
     total: dict[str, int] = {}
     for part in shards:
-        for name, value in part.fingerprints.items():
-            total[name] = (total.get(name, 0) + value) % _MOD
+        add_fingerprints(total, part.fingerprints)
+    return total
+
+
+def add_fingerprints(total: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """`more` added into `total` (pieces of the same weights: a weight's blocks in several buckets, or other ranks')."""
+    for name, value in more.items():
+        total[name] = (total.get(name, 0) + value) % _MOD
     return total
 
 
@@ -216,5 +284,5 @@ def differing(expected: dict[str, int], served: dict[str, int]) -> list[str]:
     return sorted(name for name, value in expected.items() if served.get(name) != value)
 
 
-__all__ = ["WeightPiece", "WeightShards", "assemble", "bucket_fingerprints", "differing", "fingerprint",
-           "joined_fingerprints", "piece_fingerprint", "pieces_bucket", "pieces_buckets", "pieces_groups"]
+__all__ = ["PartialWeights", "WeightPiece", "WeightShards", "add_fingerprints", "assemble", "bucket_fingerprints", "differing", "fingerprint",
+           "joined_fingerprints", "piece_fingerprint", "pieces_bucket", "pieces_buckets", "pieces_groups", "row_blocks"]

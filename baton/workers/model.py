@@ -8,7 +8,9 @@ import torch
 
 from baton.data import DataProto, TensorBucket
 from baton.data.shared_buckets import SharedBucketRing
-from baton.data.shards import WeightShards, bucket_fingerprints, piece_fingerprint, pieces_bucket, pieces_groups
+from baton.data.shards import (
+    WeightShards, add_fingerprints, bucket_fingerprints, piece_fingerprint, pieces_bucket, pieces_groups,
+)
 from baton.distributed import Dispatch, Worker, register
 from baton.strategy import StrategyConfig, create_strategy
 from baton.strategy.logprobs import sampling_temperature
@@ -44,21 +46,23 @@ class ModelWorker(Worker):
         shards = WeightShards([])
         while (part := self.next_exported()).buckets:
             shards.buckets += part.buckets
-            shards.fingerprints.update(part.fingerprints)
+            add_fingerprints(shards.fingerprints, part.fingerprints)  # a weight in blocks: over several buckets
         return shards
 
     @register(Dispatch.ONE_TO_ALL)
     def begin_export(self, bucket_bytes: int = 256 << 20, dtype: str | None = None, skip: list[str] | None = None,
-                     transport: str = "object_store", group: str | None = None) -> None:
+                     transport: str = "object_store", group: str | None = None, stream: str | None = None) -> None:
         """Start `export_weights` a bucket at a time (`next_exported`), so that a destination loads one bucket while
         the next is made. transport: "object_store" (as `put_bucket` makes them); "shared_memory" (this host's:
         `baton.data.shared_buckets`, the rows copied once, cast on the way, into one of two slots, so bucket k must
         be loaded before bucket k + 2 is asked for); "collective" (sync group `group`: `baton.workers.sync_group`,
-        each bucket packed here and broadcast by `send_exported`)."""
+        each bucket packed here and broadcast by `send_exported`). stream: the sync's id, on every part sent (its
+        destinations load it a bucket at a time)."""
         left_out = set(skip or ())
         pieces = (piece for piece in self.strategy.weight_pieces()
                   if piece.name not in left_out and piece.tied_to not in left_out)
         self._export_dtype, self._export_transport, self._export_group = _dtype(dtype), transport, group
+        self._export_stream = stream
         self._exporting = pieces_groups(pieces, bucket_bytes, self.world_size, self._export_dtype)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -70,19 +74,20 @@ class ModelWorker(Worker):
             return WeightShards([])
         if self._export_transport == "collective":
             sent, bucket = sync_group.pack(self._export_group, self.rank, pieces_bucket(pieces), self._export_dtype)
-            return WeightShards([sent], bucket_fingerprints(bucket))
+            return WeightShards([sent], bucket_fingerprints(bucket), self._export_stream)
         if self._export_transport == "shared_memory":
             if self._shared_slots is None:
                 self._shared_slots = SharedBucketRing()
             try:
                 sent, bucket = self._shared_slots.write(pieces_bucket(pieces), self._export_dtype)
-                return WeightShards([sent], bucket_fingerprints(bucket))
+                return WeightShards([sent], bucket_fingerprints(bucket), self._export_stream)
             except OSError as error:  # /dev/shm is full (a container's is often 64 MiB): the object store takes it
                 warnings.warn(f"weight sync through shared memory failed ({error}); this bucket goes through the "
                               "object store (give the container a larger /dev/shm, e.g. docker --shm-size)",
                               stacklevel=1)
         bucket = pieces_bucket(pieces, self._export_dtype)
-        return WeightShards([put_bucket(bucket, self.context.backend)], bucket_fingerprints(bucket))
+        return WeightShards([put_bucket(bucket, self.context.backend)], bucket_fingerprints(bucket),
+                            self._export_stream)
 
     @register(Dispatch.ONE_TO_ALL)
     def send_exported(self) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from baton.data import DataProto, TensorBucket
 from baton.data.shared_buckets import SharedBucket, available as shared_memory_available, check_generation, read_shared
-from baton.data.shards import WeightShards, assemble, differing, joined_fingerprints
+from baton.data.shards import PartialWeights, WeightShards, assemble, differing, joined_fingerprints
 from baton.distributed import Cluster
 from baton.workers.sync_group import CollectiveBucket, receive
 
@@ -117,24 +117,28 @@ class ModelUpdatePair:
         worker computed (None: it computes none)."""
         if self.transport == "collective" and self._group is None:
             self._group = self._join_group()
-        shared = self.transport == "shared_memory"  # then two slots of half a bucket each: one bucket's memory
-        self.src.begin_export(self.bucket_bytes // 2 if shared else self.bucket_bytes, self._dtype, skip,
-                              self.transport, self._group)
+        # Through shared memory, buckets of half `bucket_bytes` a rank: its two slots hold no more than one bucket.
+        shared = self.transport == "shared_memory"
+        per_rank = self.bucket_bytes // 2 if shared else self.bucket_bytes
+        self.src.begin_export(per_rank, self._dtype, skip, self.transport, self._group, uuid.uuid4().hex)
         sent, asked, sending, pending = [], [], [], None
 
-        def loaded(load, part: list[WeightShards]) -> None:  # then the fingerprints of its weights, as loaded
+        def loaded(load, part: list[WeightShards], after: list[WeightShards] | None) -> None:
+            """Once bucket k has loaded, the fingerprints of the weights it completed (not those whose blocks go on
+            in bucket k + 1, `after`)."""
             load.get()
-            asked.append(self.dst.call_async("weight_fingerprints", sorted(joined_fingerprints(part))))
+            names = set(joined_fingerprints(part)) - set(joined_fingerprints(after or []))
+            asked.append(self.dst.call_async("weight_fingerprints", sorted(names)))
 
         while (part := self.src.next_exported())[0].buckets:
             if pending is not None:
-                loaded(*pending)
+                loaded(*pending, part)
             if self.transport == "collective":  # the sources broadcast while the destinations receive
                 sending.append(self.src.call_async("send_exported"))
             pending = self.dst.call_async("import_weights", part), part
             sent.extend(part)
         if pending is not None:
-            loaded(*pending)
+            loaded(*pending, None)
         for send in sending:
             send.get()
         served: list[dict[str, int] | None] = [{} for _ in range(self.dst.world_size)]
@@ -245,21 +249,37 @@ def fetch_bucket(bucket) -> TensorBucket:
     return ray.get(bucket)
 
 
+_STREAMS: dict[str, PartialWeights] = {}  # this destination's weights in blocks, by the streamed sync they come in
+
+
 def assembled_buckets(shards: list[WeightShards],
                       model: torch.nn.Module | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time. `model`: the
-    destination's, whose own tensors take a weight of several pieces as they arrive (copied once, `assemble`'s
-    `into`), read as each bucket is put together, so while whoever consumes this loads it."""
+    """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time; a weight sent in
+    blocks of rows over several buckets comes with the bucket of its last block. `model`: the destination's, whose own
+    tensors take a weight of several pieces as they arrive (copied once, `assemble`'s `into`), read as each bucket is
+    put together, so while whoever consumes this loads it. ValueError after the last bucket where a weight is still
+    incomplete."""
     counts = {len(part.buckets) for part in shards}
     if len(counts) > 1:
         raise ValueError(f"the source ranks sent {sorted(counts)} buckets: every rank of one sync sends the same "
                          "number")
+    stream = shards[0].stream if shards else None
+    if stream is None:
+        partial = PartialWeights()
+    else:  # a streamed sync's weights in blocks span its loads: kept here between them (the last few streams')
+        partial = _STREAMS.pop(stream, None) or PartialWeights()
+        _STREAMS[stream] = partial
+        while len(_STREAMS) > 4:
+            del _STREAMS[next(iter(_STREAMS))]
     for k in range(counts.pop() if counts else 0):
-        into = model.state_dict().get if isinstance(model, torch.nn.Module) and len(shards) > 1 else None
-        yield assemble([fetch_bucket(part.buckets[k]) for part in shards], into)
+        into = model.state_dict().get if isinstance(model, torch.nn.Module) else None
+        yield assemble([fetch_bucket(part.buckets[k]) for part in shards], into, partial)
         for part in shards:  # loaded: a shared-memory slot must still hold what was read
             if isinstance(part.buckets[k], SharedBucket):
                 check_generation(part.buckets[k])
+    if partial.tensors and stream is None:  # (a stream's are checked by their fingerprints once it has loaded)
+        raise ValueError(f"weights {sorted(partial.tensors)[:5]} arrived incomplete (some of their rows' buckets never "
+                         "came); the destination serves them half old")
 
 
 __all__ = ["TRANSPORTS", "ModelUpdatePair", "WeightSyncError", "assembled_buckets", "check_fingerprints",
