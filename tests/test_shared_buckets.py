@@ -72,9 +72,9 @@ def test_a_descriptor_that_points_elsewhere_is_refused(ring):
     with pytest.raises(ValueError, match="cannot be read on"):
         read_shared(replace(sent, host="elsewhere/0"))
     with pytest.raises(ValueError, match="names dtype .load., which is not a torch dtype"):
-        read_shared(replace(sent, layout={"w": ("load", (5, 3), 64)}))
+        read_shared(replace(sent, packed=replace(sent.packed, layout={"w": ("load", (5, 3), 64)})))
     with pytest.raises(ValueError, match="places tensor .w. outside its buffer"):
-        read_shared(replace(sent, layout={"w": ("float32", (1 << 20, 3), 64)}))
+        read_shared(replace(sent, packed=replace(sent.packed, layout={"w": ("float32", (1 << 20, 3), 64)})))
 
 
 def test_a_dead_sources_files_are_removed_and_a_closed_ring_leaves_none():

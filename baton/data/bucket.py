@@ -1,11 +1,12 @@
 """`TensorBucket`: named tensors of any shapes (a slice of a model's weights) that cross processes as numpy buffers;
-and a bucket laid out in one byte buffer (`byte_layout`, `byte_views`), as a weight sync's shared-memory slot or
-collective message carries it."""
+and `PackedBucket`, a bucket laid out in one byte buffer, as a weight sync's shared-memory slot or collective message
+carries it."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -53,6 +54,36 @@ def byte_layout(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = No
         layout[name] = (str(out).removeprefix("torch."), tuple(tensor.shape), end)
         end += -(-tensor.numel() * out.itemsize // _ALIGN) * _ALIGN
     return layout, end
+
+
+@dataclass(frozen=True)
+class PackedBucket:
+    """A `TensorBucket` as one byte buffer carries it (a weight sync's shared-memory slot or collective message):
+    where each tensor lies (`layout`, from byte `start`; the buffer's `size`), and the bucket's `shapes` / `offsets` /
+    `aliases`. A few hundred bytes: what the driver hands a destination instead of the tensors."""
+
+    layout: Layout
+    size: int
+    start: int = 0
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def pack(cls, bucket: TensorBucket, buffer: Callable[[int], torch.Tensor], dtype: torch.dtype | None = None,
+             start: int = 0) -> tuple["PackedBucket", TensorBucket]:
+        """`bucket`'s tensors (floating ones cast to `dtype` where given) copied into `buffer(size)` (uint8, at least
+        `size` bytes) from byte `start`: the layout, and the packed tensors."""
+        layout, size = byte_layout(bucket.tensors, dtype, start)
+        packed = cls(layout, size, start, dict(bucket.shapes), dict(bucket.offsets), dict(bucket.aliases))
+        unpacked = packed.unpack(buffer(size))
+        for name, tensor in bucket.tensors.items():
+            unpacked.tensors[name].copy_(tensor.detach())
+        return packed, unpacked
+
+    def unpack(self, memory: torch.Tensor) -> TensorBucket:
+        """The bucket's tensors in `memory`, as views (`byte_views`' checks first)."""
+        return TensorBucket(byte_views(memory, self.layout, self.start), self.shapes, self.offsets, self.aliases)
 
 
 def byte_views(memory: torch.Tensor, layout: Layout, start: int = 0) -> dict[str, torch.Tensor]:

@@ -23,11 +23,11 @@ import re
 import socket
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from baton.data.bucket import Layout, TensorBucket, byte_layout, byte_views
+from baton.data.bucket import PackedBucket, TensorBucket
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "baton-sync"
@@ -54,16 +54,13 @@ def host_id() -> str:
 
 @dataclass(frozen=True)
 class SharedBucket:
-    """Where one bucket lies in a source's slot: `layout[name]` = (dtype, shape, byte offset) of each tensor, and the
-    bucket's `shapes` / `offsets` / `aliases` as `TensorBucket` has them."""
+    """One bucket in a source's slot: the file, the generation it was written as, the host, and where its tensors
+    lie in the file."""
 
     path: str
     generation: int
     host: str
-    layout: Layout
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    offsets: dict[str, int] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)
+    packed: PackedBucket
 
 
 class SharedBucketRing:
@@ -84,17 +81,18 @@ class SharedBucketRing:
     def write(self, bucket: TensorBucket, dtype: torch.dtype | None = None) -> tuple[SharedBucket, TensorBucket]:
         """`bucket`'s tensors (floating ones cast to `dtype` where given) into the next slot: its description for the
         destinations, and the slot's tensors (what they will read) for the sender's fingerprints."""
-        layout, end = byte_layout(bucket.tensors, dtype, _HEADER)
         self._generation += 1
-        path, memory = self._slot(self._generation % len(self._files), end)
-        memory[8:16].view(torch.int64)[0] = -1  # being written: a reader of the slot's last bucket sees a change
-        views = byte_views(memory, layout, _HEADER)
-        for name, tensor in bucket.tensors.items():
-            views[name].copy_(tensor.detach())
+        slot = self._generation % len(self._files)
+
+        def memory_for(size: int) -> torch.Tensor:
+            path, memory = self._slot(slot, size)
+            memory[8:16].view(torch.int64)[0] = -1  # being written: a reader of the slot's last bucket sees a change
+            return memory
+
+        packed, written = PackedBucket.pack(bucket, memory_for, dtype, _HEADER)
+        path, memory = self._files[slot]
         memory[:16].view(torch.int64).copy_(torch.tensor([_MAGIC, self._generation]))
-        sent = SharedBucket(path, self._generation, self.host, layout, dict(bucket.shapes), dict(bucket.offsets),
-                            dict(bucket.aliases))
-        return sent, TensorBucket(views, sent.shapes, sent.offsets, sent.aliases)
+        return SharedBucket(path, self._generation, self.host, packed), written
 
     @property
     def num_bytes(self) -> int:
@@ -141,9 +139,9 @@ def read_shared(bucket: SharedBucket) -> TensorBucket:
     if directory != SHM_DIR or not _NAME.match(name):
         raise ValueError(f"{bucket.path!r} is not a weight-sync slot (files {SHM_DIR}/{_PREFIX}-*)")
     memory = _map(bucket.path)
-    views = byte_views(memory, bucket.layout, _HEADER)
+    tensors = bucket.packed.unpack(memory)
     check_generation(bucket, memory)
-    return TensorBucket(views, bucket.shapes, bucket.offsets, bucket.aliases)
+    return tensors
 
 
 def check_generation(bucket: SharedBucket, memory: torch.Tensor | None = None) -> None:

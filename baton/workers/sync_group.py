@@ -14,12 +14,12 @@ trainers and engines is not built here.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from baton.data.bucket import Layout, TensorBucket, byte_layout, byte_views
+from baton.data.bucket import PackedBucket, TensorBucket
 from baton.distributed.rendezvous import LOOPBACK, connect_store, master_address, node_ip_address, serve_store
 
 SYNC_TIMEOUT = datetime.timedelta(minutes=10)
@@ -32,16 +32,11 @@ _RECEIVING: dict[tuple[str, int], torch.Tensor] = {}  # a destination's buffer p
 
 @dataclass(frozen=True)
 class CollectiveBucket:
-    """Bucket k of source rank `source`, as it will arrive in sync group `group`: `num_bytes` laid out as `layout`
-    says, with the bucket's `shapes` / `offsets` / `aliases` as `TensorBucket` has them."""
+    """Bucket k of source rank `source`, as it will arrive in sync group `group` (laid out as `packed` says)."""
 
     group: str
     source: int
-    layout: Layout
-    num_bytes: int
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    offsets: dict[str, int] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)
+    packed: PackedBucket
 
 
 def open_store(group: str, on_one_node: bool, num_members: int) -> tuple[str, int]:
@@ -72,17 +67,17 @@ def pack(group: str, source: int, bucket: TensorBucket,
          dtype: torch.dtype | None = None) -> tuple[CollectiveBucket, TensorBucket]:
     """`bucket`'s tensors (floating ones cast to `dtype` where given) into this source's send buffer for `send`: the
     layout the destinations need, and the packed tensors (what they will receive) for the sender's fingerprints."""
-    layout, size = byte_layout(bucket.tensors, dtype)
     buffer = _SENDING.get(group, (torch.empty(0, dtype=torch.uint8), 0))[0]
-    if buffer.numel() < size:
-        buffer = torch.empty(size, dtype=torch.uint8)
-    views = byte_views(buffer, layout)
-    for name, tensor in bucket.tensors.items():
-        views[name].copy_(tensor.detach())
-    _SENDING[group] = buffer, size
-    sent = CollectiveBucket(group, source, layout, size, dict(bucket.shapes), dict(bucket.offsets),
-                            dict(bucket.aliases))
-    return sent, TensorBucket(views, sent.shapes, sent.offsets, sent.aliases)
+
+    def memory_for(size: int) -> torch.Tensor:
+        nonlocal buffer
+        if buffer.numel() < size:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        return buffer
+
+    packed, sent = PackedBucket.pack(bucket, memory_for, dtype)
+    _SENDING[group] = buffer, packed.size
+    return CollectiveBucket(group, source, packed), sent
 
 
 def send(group: str) -> None:
@@ -99,13 +94,13 @@ def receive(bucket: CollectiveBucket) -> TensorBucket:
     if group is None:
         raise ValueError(f"this worker is not a destination of source rank {bucket.source} in weight-sync group "
                          f"{bucket.group!r}")
+    size = bucket.packed.size
     buffer = _RECEIVING.get((bucket.group, bucket.source))
-    if buffer is None or buffer.numel() < bucket.num_bytes:
-        buffer = _RECEIVING[bucket.group, bucket.source] = torch.empty(bucket.num_bytes, dtype=torch.uint8)
-    memory = buffer[: bucket.num_bytes]
-    views = byte_views(memory, bucket.layout)  # checked before anything is received into it
-    _broadcast(group, memory)
-    return TensorBucket(views, bucket.shapes, bucket.offsets, bucket.aliases)
+    if buffer is None or buffer.numel() < size:
+        buffer = _RECEIVING[bucket.group, bucket.source] = torch.empty(size, dtype=torch.uint8)
+    tensors = bucket.packed.unpack(buffer[:size])  # its layout checked before anything is received
+    _broadcast(group, buffer[:size])
+    return tensors
 
 
 def _groups(group: str) -> dict[int, object]:
