@@ -67,13 +67,20 @@ class ModelUpdatePair:
         if transport == "collective" and src.manager.backend != "ray":
             raise ValueError("weight-sync transport 'collective' joins the workers' processes in a group: it needs the "
                              "ray backend (in one process the buckets are handed over as they are: use 'auto')")
-        if transport == "auto":
-            transport = "shared_memory" if share_role is None and on_one_host(src, dst) else "object_store"
-        self.transport = transport
+        self._transport = transport
         self._group: str | None = None  # the collective transport's sync group, joined on the first sync
         self.num_syncs = 0
         self._dtype: str | None = None  # the destination's weight dtype, asked on the first sync
         self._served: dict[str, int] = {}  # the fingerprints the destination proved it serves after the last sync
+
+    @property
+    def transport(self) -> str:
+        """How this pair's buckets travel; "auto" is settled on first use: shared memory where every worker of both
+        clusters runs on one node (`on_one_host`), else the object store."""
+        if self._transport == "auto":
+            shared = self.share_role is None and on_one_host(self.src, self.dst)
+            self._transport = "shared_memory" if shared else "object_store"
+        return self._transport
 
     def source_log_probs(self):
         """The source's log-probs on the probe's tokens (what `check` compares the destination's with)."""
