@@ -139,7 +139,8 @@ def test_fsdp2_on_two_workers_updates_as_one_hf_worker_on_an_uneven_batch(make_m
 
 
 class CorruptingRollout(RolloutWorker):
-    """A rollout whose rank `corrupt_rank` perturbs one weight after every import: a sync gone wrong on one worker."""
+    """A rollout whose rank `corrupt_rank` perturbs one weight after every import, before it reports the fingerprints
+    of what it holds: a sync gone wrong on one worker."""
 
     def __init__(self, config: StrategyConfig):
         super().__init__(config)
@@ -150,11 +151,12 @@ class CorruptingRollout(RolloutWorker):
         self.corrupt_rank = rank
 
     @register(Dispatch.ONE_TO_ALL)
-    def import_weights(self, buckets: list) -> None:
+    def import_weights(self, buckets: list, fingerprints: bool = False) -> dict[str, int] | None:
         super().import_weights(buckets)
         if self.rank == self.corrupt_rank:
             with torch.no_grad():
                 self.strategy.hf_model.model.layers[0].mlp.down_proj.weight.add_(0.05)
+        return self.weight_fingerprints(sorted(self.strategy.hf_model.state_dict())) if fingerprints else None
 
 
 @pytest.mark.ray

@@ -119,12 +119,17 @@ class EngineWorker(Worker):
         return self.engine.weight_version
 
     @register(Dispatch.ONE_TO_ALL)
-    def import_weights(self, shards: list[WeightShards], version: int | None = None) -> None:
+    def import_weights(self, shards: list[WeightShards], version: int | None = None,
+                       fingerprints: bool = False) -> dict[str, int] | None:
         """Load every source rank's `ModelWorker.export_weights` in place, a bucket (of every rank) at a time, between
-        decode steps, as weight `version` (None: the engine's + 1). Requests in flight go on with the new weights."""
+        decode steps, as weight `version` (None: the engine's + 1). Requests in flight go on with the new weights.
+        fingerprints: then return those of the weights this call completed, computed once loaded
+        (`weight_fingerprints`)."""
         version = self.engine.weight_version + 1 if version is None else version
-        buckets = assembled_buckets(shards, getattr(self.engine, "model", None))  # hf's: pieces copied straight in
+        loaded = []
+        buckets = assembled_buckets(shards, getattr(self.engine, "model", None), loaded)  # hf's: pieces copied in
         self.runner.run(self.engine.update_weights(buckets, version), timeout_s=WEIGHT_SYNC_TIMEOUT_S)
+        return self.weight_fingerprints(loaded) if fingerprints else None
 
     @register(Dispatch.ONE_TO_ALL)
     def join_sync_group(self, group: str, address: tuple[str, int], on_one_node: bool, as_source: bool,

@@ -119,9 +119,12 @@ class ModelWorker(Worker):
         return fingerprints
 
     @register(Dispatch.ONE_TO_ALL)
-    def import_weights(self, shards: list[WeightShards]) -> None:
-        """Load every source rank's `export_weights`, one bucket (of every rank) at a time."""
-        self.strategy.import_weights(assembled_buckets(shards, getattr(self.strategy, "hf_model", None)))
+    def import_weights(self, shards: list[WeightShards], fingerprints: bool = False) -> dict[str, int] | None:
+        """Load every source rank's `export_weights`, one bucket (of every rank) at a time. fingerprints: then return
+        those of the weights this call completed, computed from the parameters once loaded (`weight_fingerprints`)."""
+        loaded = []
+        self.strategy.import_weights(assembled_buckets(shards, getattr(self.strategy, "hf_model", None), loaded))
+        return self.strategy.weight_fingerprints(loaded) if fingerprints else None
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_fingerprints(self, names: list[str]) -> dict[str, int] | None:

@@ -53,15 +53,20 @@ class ModelUpdatePair:
     delta: send only the weights whose fingerprint differs from the one the destination proved it serves after the
         last sync (lossless: a weight is sent whole or not at all; after a full fine-tuning update nearly every weight
         changed, after a LoRA actor's merged update only the adapted projections); every weight is checked after.
+    fingerprints: False skips the fingerprint check (the destination's pass over what it loaded; on CPU as long as
+        the copy itself): the probe, where given, is then the only check. A delta sync needs them.
     """
 
     def __init__(self, src: Cluster, dst: Cluster, probe: DataProto | None = None, atol: float = 1e-4,
                  bucket_bytes: int = 256 << 20, share_role: str | None = None, adapter_only: bool = False,
-                 delta: bool = False, transport: str = "auto"):
+                 delta: bool = False, transport: str = "auto", fingerprints: bool = True):
         assert not (adapter_only and share_role is not None), "a shared model has no adapter of its own to send"
+        if delta and not fingerprints:
+            raise ValueError("a delta weight sync sends the weights whose fingerprint changed: it needs fingerprints "
+                             "(set weight_sync_fingerprints: true, or weight_sync_delta: false)")
         self.src, self.dst, self.probe, self.atol = src, dst, probe, atol
         self.bucket_bytes, self.share_role, self.adapter_only = bucket_bytes, share_role, adapter_only
-        self.delta = delta
+        self.delta, self.fingerprints = delta, fingerprints
         if transport not in TRANSPORTS:
             raise ValueError(f"weight-sync transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         if transport == "collective" and src.manager.backend != "ray":
@@ -102,13 +107,14 @@ class ModelUpdatePair:
                 expected = joined_fingerprints([WeightShards([], part) for part in per_rank])
                 skip = sorted(name for name, value in expected.items() if self._served.get(name) == value)
             sent, served = self._stream(skip)
-            expected = joined_fingerprints(sent) if expected is None else expected
-            if skip:  # the weights left out are checked too: unchanged where the destination serves them
-                for mine, theirs in zip(served, self.dst.weight_fingerprints(skip)):
-                    if mine is not None and theirs is not None:
-                        mine.update(theirs)
-            compare_fingerprints(self.src.name, self.dst.name, expected, served)
-            self._served = expected
+            if self.fingerprints:
+                expected = joined_fingerprints(sent) if expected is None else expected
+                if skip:  # the weights left out are checked too: unchanged where the destination serves them
+                    for mine, theirs in zip(served, self.dst.weight_fingerprints(skip)):
+                        if mine is not None and theirs is not None:
+                            mine.update(theirs)
+                compare_fingerprints(self.src.name, self.dst.name, expected, served)
+                self._served = expected
             if self.delta:
                 metrics["weight_sync/sent_fraction"] = 1 - len(skip) / max(len(expected), 1)
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
@@ -119,39 +125,33 @@ class ModelUpdatePair:
 
     def _stream(self, skip: list[str]) -> tuple[list[WeightShards], list[dict[str, int] | None]]:
         """The source's buckets into the destination one at a time: bucket k loads while the sources make k + 1, and
-        once it is loaded the destination fingerprints its weights of it (from its parameters, while the next loads).
-        What every rank sent (its fingerprints, and the buckets' references), and the fingerprints each destination
-        worker computed (None: it computes none)."""
+        each destination worker answers with the fingerprints of the weights bucket k completed, computed from its
+        parameters once loaded. What every rank sent (its fingerprints, and the buckets' references), and the
+        fingerprints each destination worker computed (None: it computes none)."""
         if self.transport == "collective" and self._group is None:
             self._group = self._join_group()
         # Through shared memory, buckets of half `bucket_bytes` a rank: its two slots hold no more than one bucket.
         shared = self.transport == "shared_memory"
         per_rank = self.bucket_bytes // 2 if shared else self.bucket_bytes
         self.src.begin_export(per_rank, self._dtype, skip, self.transport, self._group, uuid.uuid4().hex)
-        sent, asked, sending, pending = [], [], [], None
+        sent, sending, pending = [], [], None
+        served: list[dict[str, int] | None] = [{} for _ in range(self.dst.world_size)]
 
-        def loaded(load, part: list[WeightShards], after: list[WeightShards] | None) -> None:
-            """Once bucket k has loaded, the fingerprints of the weights it completed (not those whose blocks go on
-            in bucket k + 1, `after`)."""
-            load.get()
-            names = set(joined_fingerprints(part)) - set(joined_fingerprints(after or []))
-            asked.append(self.dst.call_async("weight_fingerprints", sorted(names)))
+        def loaded(load) -> None:
+            for worker, theirs in enumerate(load.get()):
+                served[worker] = None if theirs is None or served[worker] is None else {**served[worker], **theirs}
 
         while (part := self.src.next_exported())[0].buckets:
-            if pending is not None:
-                loaded(*pending, part)
+            if pending is not None:  # bucket k must have loaded before the sources are asked for k + 2
+                loaded(pending)
             if self.transport == "collective":  # the sources broadcast while the destinations receive
                 sending.append(self.src.call_async("send_exported"))
-            pending = self.dst.call_async("import_weights", part), part
+            pending = self.dst.call_async("import_weights", part, fingerprints=self.fingerprints)
             sent.extend(part)
         if pending is not None:
-            loaded(*pending, None)
+            loaded(pending)
         for send in sending:
             send.get()
-        served: list[dict[str, int] | None] = [{} for _ in range(self.dst.world_size)]
-        for answer in asked:
-            for worker, theirs in enumerate(answer.get()):
-                served[worker] = None if theirs is None or served[worker] is None else {**served[worker], **theirs}
         return sent, served
 
     def _join_group(self) -> str:
@@ -259,13 +259,14 @@ def fetch_bucket(bucket) -> TensorBucket:
 _STREAMS: dict[str, PartialWeights] = {}  # this destination's weights in blocks, by the streamed sync they come in
 
 
-def assembled_buckets(shards: list[WeightShards],
-                      model: torch.nn.Module | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def assembled_buckets(shards: list[WeightShards], model: torch.nn.Module | None = None,
+                      loaded: list[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Every source rank's `WeightShards` → whole weights, one bucket (of every rank) at a time; a weight sent in
     blocks of rows over several buckets comes with the bucket of its last block. `model`: the destination's, whose own
     tensors take a weight of several pieces as they arrive (copied once, `assemble`'s `into`), read as each bucket is
-    put together, so while whoever consumes this loads it. ValueError after the last bucket where a weight is still
-    incomplete."""
+    put together, so while whoever consumes this loads it. `loaded`: the names of the weights sent whole so far (not
+    their tied names) are appended to it as each bucket is asked for, once the one before has loaded. ValueError after
+    the last bucket where a weight is still incomplete."""
     counts = {len(part.buckets) for part in shards}
     if len(counts) > 1:
         raise ValueError(f"the source ranks sent {sorted(counts)} buckets: every rank of one sync sends the same "
@@ -280,7 +281,11 @@ def assembled_buckets(shards: list[WeightShards],
             del _STREAMS[next(iter(_STREAMS))]
     for k in range(counts.pop() if counts else 0):
         into = model.state_dict().get if isinstance(model, torch.nn.Module) else None
-        yield assemble([fetch_bucket(part.buckets[k]) for part in shards], into, partial)
+        fetched = [fetch_bucket(part.buckets[k]) for part in shards]
+        whole = assemble(fetched, into, partial)
+        yield whole
+        if loaded is not None:
+            loaded.extend(name for name in whole if any(name in bucket.tensors for bucket in fetched))
         for part in shards:  # loaded: a shared-memory slot must still hold what was read
             if isinstance(part.buckets[k], SharedBucket):
                 check_generation(part.buckets[k])
