@@ -9,6 +9,8 @@ what it serves (`check_fingerprints`). Figures, measured in one run:
     sync_gb_per_s               bytes the engines received (model bytes x engines) per second of the sync
     sync_vs_memcpy              that over this machine's memory-copy bandwidth (a float32 tensor copy of 512 MiB, one
                                 thread, measured in the same run): the target (>= 0.3) is for the slowest layout
+    unchecked_sync_vs_memcpy    the same for a sync without the fingerprint check (`fingerprints=False`): the
+                                transport alone, two copies of the bytes where the check adds two passes of hashing
     object_store_sync_gb_per_s  1 source -> 1 engine through Ray's object store instead, and
     collective_sync_gb_per_s    through a gloo group (`transport: collective`), the two paths between nodes
     max_source_rss_vs_model_bytes   the largest source process's peak private memory (resident, less shared pages)
@@ -165,11 +167,13 @@ def model_bytes(config: StrategyConfig) -> int:
     return check_model_size(MODEL_CONFIGS[config.model]) * 4  # float32
 
 
-def timed_sync(source, engine, bucket_bytes: int, transport: str = "auto") -> float:
+def timed_sync(source, engine, bucket_bytes: int, transport: str = "auto", fingerprints: bool = True) -> float:
     """Seconds of one sync as the pipelines run it (`ModelUpdatePair.sync` without the probe: every rank's buckets
-    streamed into the engine, then its fingerprints checked)."""
+    streamed into the engine, each bucket's weights fingerprinted by the engine as it loads them and checked against
+    the sources'); `fingerprints=False`: the transport alone."""
     start = time.perf_counter()
-    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes, transport=transport).sync()
+    ModelUpdatePair(source, engine, probe=None, bucket_bytes=bucket_bytes, transport=transport,
+                    fingerprints=fingerprints).sync()
     return time.perf_counter() - start
 
 
@@ -235,6 +239,7 @@ def run(quick: bool) -> dict:
     slowest = min(figures["layouts"], key=lambda entry: entry["sync_vs_memcpy"])
     figures["sync_gb_per_s"] = slowest["sync_gb_per_s"]
     figures["sync_vs_memcpy"] = slowest["sync_vs_memcpy"]
+    figures["unchecked_sync_vs_memcpy"] = min(e["unchecked_sync_vs_memcpy"] for e in figures["layouts"])
     figures["max_source_rss_vs_model_bytes"] = max(e["source_rss_vs_model_bytes"] for e in figures["layouts"])
     figures["max_source_vs_shard_plus_bucket"] = max(e["source_vs_shard_plus_bucket"] for e in figures["layouts"])
     figures["targets"] = dict(TARGETS, fingerprint_catches_skipped_bucket=True)
@@ -284,6 +289,7 @@ def measure_layout(manager, config: StrategyConfig, num_sources: int, engine, nu
     try:
         timed_sync(source, engine, bucket_bytes)  # warm-up: first imports, the engine's dtype, the slots
         seconds = timed_sync(source, engine, bucket_bytes)
+        unchecked = timed_sync(source, engine, bucket_bytes, fingerprints=False)
         if (num_sources, num_engines, backend) == (1, 1, "hf"):
             for transport in ("object_store", "collective"):
                 timed_sync(source, engine, bucket_bytes, transport)  # the first collective sync joins its groups
@@ -303,8 +309,11 @@ def measure_layout(manager, config: StrategyConfig, num_sources: int, engine, nu
              "source_rss_vs_model_bytes": max(m["peak_private"] + m["slot_bytes"] - m["private_before_model"]
                                               for m in memory) / total}
     entry["sync_vs_memcpy"] = entry["sync_gb_per_s"] / memcpy
+    entry["unchecked_sync_s"] = unchecked
+    entry["unchecked_sync_vs_memcpy"] = total * num_engines / unchecked / 1e9 / memcpy
     print(f"{num_sources} source(s) -> {num_engines} {backend} engine(s): {seconds:.2f} s, "
-          f"{entry['sync_gb_per_s']:.2f} GB/s ({entry['sync_vs_memcpy']:.2f} x memcpy), largest source "
+          f"{entry['sync_gb_per_s']:.2f} GB/s ({entry['sync_vs_memcpy']:.2f} x memcpy; without the fingerprint check "
+          f"{unchecked:.2f} s, {entry['unchecked_sync_vs_memcpy']:.2f} x), largest source "
           f"{held / 2**20:.0f} MiB = {entry['source_vs_shard_plus_bucket']:.2f} x (shard + bucket)")
     return entry
 
@@ -349,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = figures["stage_s_per_bucket"]
     print("one bucket, seconds per stage: " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in stages.items()))
     print(f"memcpy {figures['memcpy_gb_per_s']:.1f} GB/s; slowest sync {figures['sync_gb_per_s']:.2f} GB/s = "
-          f"{figures['sync_vs_memcpy']:.2f} x memcpy (1 -> 1 through the object store "
+          f"{figures['sync_vs_memcpy']:.2f} x memcpy (without the fingerprint check "
+          f"{figures['unchecked_sync_vs_memcpy']:.2f} x; 1 -> 1 through the object store "
           f"{figures['object_store_sync_gb_per_s']:.2f} GB/s, collective {figures['collective_sync_gb_per_s']:.2f} GB/s); "
           f"largest source {figures['max_source_vs_shard_plus_bucket']:.2f} x "
           f"(shard + bucket), {figures['max_source_rss_vs_model_bytes']:.2f} x the model; skipped bucket caught: "

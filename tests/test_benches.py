@@ -120,7 +120,7 @@ def test_sync_bench(tmp_path):
     figures = run_bench("sync", tmp_path)
     has_keys(figures, "sync_gb_per_s", "sync_vs_memcpy", "max_source_rss_vs_model_bytes", "delta_bytes_ratio",
              "delta_bytes_ratio_lora", "max_source_vs_shard_plus_bucket", "memcpy_gb_per_s", "layouts", "passed",
-             "object_store_sync_gb_per_s", "collective_sync_gb_per_s")
+             "object_store_sync_gb_per_s", "collective_sync_gb_per_s", "unchecked_sync_vs_memcpy")
     assert {(entry["sources"], entry["engines"]) for entry in figures["layouts"]} >= {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert figures["fingerprint_catches_skipped_bucket"] is True  # whatever the machine: a check, not a speed
     assert figures["delta_bytes_ratio"] == 1.0  # a full fine-tuning update changes every weight

@@ -16,7 +16,7 @@ from baton.strategy import OptimizerConfig, StrategyConfig
 from baton.strategy.base import LoraConfig
 from baton.workers import ActorWorker, RolloutWorker
 from baton.rollout.engine_worker import EngineWorker
-from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, probe_batch
+from baton.workers.weight_sync import ModelUpdatePair, WeightSyncError, check_fingerprints, probe_batch
 
 
 def cluster(worker, name: str, make_manager, **strategy) -> Cluster:
@@ -53,6 +53,19 @@ def test_the_trainer_config_sets_the_pipelines_sync_transport_and_delta(make_man
     pair = connect_policy(clusters, role, role, False, None, load_tokenizer(), TrainerConfig(weight_sync_delta=True))
     assert pair.delta and pair.transport == "object_store" and pair.num_syncs == 1  # synced once as it connects
     assert pair.sync()["weight_sync/sent_fraction"] == 0.0
+
+
+def test_a_sync_without_fingerprints_delivers_the_weights_and_leaves_the_check_to_the_probe(make_manager):
+    with pytest.raises(ValueError, match="weight_sync_delta sends the weights whose fingerprint changed: it needs"):
+        TrainerConfig(weight_sync_delta=True, weight_sync_fingerprints=False)
+    actor = cluster(ActorWorker, "actor", make_manager)
+    rollout = cluster(RolloutWorker, "rollout", make_manager, seed=1)
+    probe = probe_batch(load_tokenizer(), TEXTS[:4], 3)
+    pair = ModelUpdatePair(actor, rollout, probe=probe, fingerprints=False, bucket_bytes=1 << 16)
+    actor.train_step(train_batch(4), pg_loss)
+    assert pair.sync()["weight_sync/max_logprob_diff"] < 1e-5
+    [mine] = actor.piece_fingerprints()
+    assert check_fingerprints("actor", rollout, mine) == 50  # every weight delivered, though none was checked
 
 
 def test_a_transport_that_cannot_work_is_refused(make_manager):

@@ -203,11 +203,17 @@ class TrainerConfig:
     # shared memory where both roles run on one node, else Ray's object store), "shared_memory", "object_store", or
     # "collective" (gloo groups of the sync's own, for roles on different nodes). weight_sync_delta: send only the
     # weights whose fingerprint changed since the last sync (every weight is still checked after).
+    # weight_sync_fingerprints: false skips the check of every weight's fingerprint after each sync (one more pass
+    # over the weights on each side; the probe still runs).
     weight_sync_transport: str = "auto"
     weight_sync_delta: bool = False
+    weight_sync_fingerprints: bool = True
 
     def __post_init__(self):
         check_choice("trainer.weight_sync_transport", self.weight_sync_transport, TRANSPORTS)
+        if self.weight_sync_delta and not self.weight_sync_fingerprints:
+            raise ValueError("trainer.weight_sync_delta sends the weights whose fingerprint changed: it needs "
+                             "trainer.weight_sync_fingerprints: true")
         if self.backend not in ("ray", "local"):
             raise ValueError(f"trainer.backend {self.backend!r} is not one of 'ray', 'local'")
         if self.overwrite and self.resume is not None:

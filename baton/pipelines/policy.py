@@ -40,7 +40,7 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
     (`shares_policy_weights`, e.g. both `hf` without LoRA), the sync shares tensors instead of copying them.
     A LoRA actor sends only its adapter to a rollout whose engine serves adapters (`syncs_policy_adapter`: `vllm` with
     `engine_kwargs: {enable_lora: true, max_lora_rank: R}`), merged weights to any other, as `trainer`'s
-    weight_sync_transport and weight_sync_delta say.
+    weight_sync_transport, weight_sync_delta and weight_sync_fingerprints say.
     """
     probe = None
     if probe_data is not None and len(probe_data):
@@ -50,7 +50,8 @@ def connect_policy(clusters: dict, actor: RoleConfig, rollout: RoleConfig, coloc
     pair = ModelUpdatePair(clusters["actor"], clusters["rollout"], probe, atol=probe_tolerance(actor, rollout),
                            share_role="actor" if share else None,
                            adapter_only=syncs_policy_adapter(actor.strategy, rollout.strategy),
-                           transport=trainer.weight_sync_transport, delta=trainer.weight_sync_delta)
+                           transport=trainer.weight_sync_transport, delta=trainer.weight_sync_delta,
+                           fingerprints=trainer.weight_sync_fingerprints)
     pair.sync()
     return pair
 
