@@ -61,12 +61,10 @@ class WeightPublisher:
             if first and self.engines:
                 self._dtype = self.engines[0].weight_dtype()
             shards = actor.export_weights(bucket_bytes, self._dtype)
-            # Every engine loads at once (each between two of its decode steps), then proves what it serves.
-            for load in [engine.call_async("import_weights", shards, version) for engine in self.engines]:
-                load.get()
+            # Every engine loads at once (each between two of its decode steps) and proves what it serves.
+            loads = [engine.call_async("import_weights", shards, version, fingerprints=True) for engine in self.engines]
             expected = joined_fingerprints(shards)
-            asked = [engine.call_async("weight_fingerprints", sorted(expected)) for engine in self.engines]
-            for engine, served in zip(self.engines, asked):
+            for engine, served in zip(self.engines, loads):
                 compare_fingerprints(actor.name, engine.name, expected, served.get())
             self._shards = shards
         self.pool.set_version(version)
