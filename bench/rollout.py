@@ -1,4 +1,6 @@
-"""The rollout system's three modes side by side: `sync`, `one_step_off` and `async` GRPO on the demo task.
+"""The rollout system's three modes side by side: `sync`, `one_step_off` and `async` GRPO on the demo task, and the
+two overlapped ones in deterministic mode (`rollout_system.deterministic`; async with max_staleness 2 there, so that
+two steps' rollouts run ahead of training).
 
 One run takes the demo's SFT checkpoint (tiny-qwen2 on the weak teacher's arithmetic: trained once by the demo's
 SFT stage and cached in the run directory, `--fresh` redoes it; or `--sft-checkpoint PATH`), then runs the same
@@ -16,10 +18,10 @@ The setting makes generation and training each take 35–65% of a `sync` step: 6
 (the demo: 64 × 8) and one update in micro-batches of `MICRO_BATCH_SIZE` rows at lr `LR`. The demo's answers stay
 ~3 tokens whatever `max_new_tokens` allows (the SFT model stops at eos), so the responses cannot be made longer.
 
-Each seed runs the three modes one after another, in an order rotated by one from the last seed's (seed list
-position 0: sync, one_step_off, async; 1: one_step_off, async, sync; 2: async, sync, one_step_off), so that with
-three seeds every mode has had every place once: timings drift within minutes on a shared machine, and a mode
-always run last would carry the drift.
+Each seed runs the five modes one after another, in an order rotated by one from the last seed's (seed list
+position 0: sync, one_step_off, async, then the deterministic two; 1: one_step_off, ..., sync), so that no mode always
+has the same place: timings drift within minutes on a shared machine, and a mode always run last would carry the
+drift.
 
 Per mode it prints the median seconds per step (the first `NUM_WARMUP_STEPS` dropped), the greedy held-out
 accuracy at the end (`val/accuracy`, 200 problems) and the split of a step:
@@ -85,7 +87,8 @@ from baton.recipes.rollout_demo import rlvr_default
 from baton.rollout.config import RolloutSystemConfig
 from baton.tracking import read_metrics
 
-MODES = ("sync", "one_step_off", "async")
+MODES = ("sync", "one_step_off", "async", "one_step_off_deterministic", "async_deterministic")
+OVERLAPPED = MODES[1:]
 NUM_RAY_CPUS = 2
 TRAINER_CORES, ENGINE_CORES = [0], [1]  # the driver's threads go on the engine's core
 
@@ -98,6 +101,7 @@ CONTENTION_REPS, CONTENTION_REPS_QUICK = 7, 1
 SAMPLES_PER_PROMPT = 16
 MAX_NEW_TOKENS = 8
 MAX_STALENESS = 1
+MAX_STALENESS_DETERMINISTIC_ASYNC = 2  # two steps' rollouts ahead of training (with 1, it is one_step_off's schedule)
 NUM_PPO_EPOCHS = 1
 NUM_MINI_BATCHES_PER_STEP = 1
 MICRO_BATCH_SIZE = 128
@@ -150,8 +154,16 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
     return dataclasses.replace(
         base, actor=actor, rollout=rollout, data=DemoConfig().data, trainer=trainer, algorithm=algorithm,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, num_samples_per_prompt=SAMPLES_PER_PROMPT),
-        rollout_system=RolloutSystemConfig(mode=mode, max_staleness=MAX_STALENESS, poll_s=POLL_S,
-                                           probe_every_syncs=probe_every_syncs))
+        rollout_system=rollout_system(mode, probe_every_syncs))
+
+
+def rollout_system(mode: str, probe_every_syncs: int) -> RolloutSystemConfig:
+    """A bench mode's settings: "<mode>" free-running, "<mode>_deterministic" in deterministic mode."""
+    deterministic = mode.endswith("_deterministic")
+    mode = mode.removesuffix("_deterministic")
+    staleness = MAX_STALENESS_DETERMINISTIC_ASYNC if deterministic and mode == "async" else MAX_STALENESS
+    return RolloutSystemConfig(mode=mode, max_staleness=staleness, deterministic=deterministic, poll_s=POLL_S,
+                               probe_every_syncs=probe_every_syncs)
 
 
 class CpuMeter:
@@ -330,7 +342,7 @@ def main() -> int:
                 run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
                                num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs, args.pin)
                 runs.append(run)
-                print(f"  seed {seed} {mode:>12}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
+                print(f"  seed {seed} {mode:>26}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
                       f"{run['wall_s']:.0f} s, load average {load_average()}", flush=True)
     load_end = load_average()
 
@@ -371,35 +383,38 @@ def main() -> int:
     if contention is not None:
         print(f"core contention: a torch forward/backward on core {TRAINER_CORES[0]} takes {contention:.2f}× as long while "
               f"another process runs torch on core {ENGINE_CORES[0]} (the engine's) as while that core idles")
-    print(f"{'mode':>12}  {'s/step':>7}  {'speedup':>7}  {'gen s':>6}  {'train s':>7}  {'(gen+train)/step':>16}  "
+    print(f"{'mode':>26}  {'s/step':>7}  {'speedup':>7}  {'gen s':>6}  {'train s':>7}  {'(gen+train)/step':>16}  "
           f"{'step/max':>8}  {'CPU s':>6}  {'floor s':>7}  {'accuracy':>9}")
     for mode, m in per_mode.items():
         spread = f" ({m['accuracy_min']:.0%}–{m['accuracy_max']:.0%})" if len(args.seeds) > 1 else ""
-        print(f"{mode:>12}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['train_s']:>7.2f}  "
+        print(f"{mode:>26}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['train_s']:>7.2f}  "
               f"{m['overlap_efficiency']:>16.2f}  {m['step_over_bound']:>7.2f}×  {m['cpu_s_per_step'] or 0:>6.2f}  "
               f"{m['cpu_floor_s'] or 0:>7.2f}  {m['accuracy']:>9.1%}{spread}")
     print("train over sync train (the trainer's critical path, slowed beside generation): " + "; ".join(
-        f"{mode} {per_mode[mode]['train_over_sync_train']:.2f}×" for mode in ("one_step_off", "async")))
+        f"{mode} {per_mode[mode]['train_over_sync_train']:.2f}×" for mode in OVERLAPPED))
     if len(args.seeds) > 1:
         print("step/max per seed, against that seed's sync run: " + "; ".join(
             f"{mode} " + " ".join(f"{ratio:.2f}×" for ratio in per_mode[mode]["step_over_bound_per_seed"])
-            for mode in ("one_step_off", "async")))
+            for mode in OVERLAPPED))
     print(f"(medians over steps {NUM_WARMUP_STEPS + 1}–{num_steps}"
           f"{' and over seeds' if len(args.seeds) > 1 else ', one seed'}; gen, train: the wait for samples and the "
           f"rest of the step; CPU s: the CPU seconds a step used in the driver and every Ray worker, floor s: that over "
           f"the {os.cpu_count()} cores, the shortest step this machine can run that work in, overlapped or not; load "
           f"average at start {load_start}, at end {load_end})")
 
-    best = max(("one_step_off", "async"), key=lambda mode: per_mode[mode]["overlap_efficiency"])
+    best = max(OVERLAPPED, key=lambda mode: per_mode[mode]["overlap_efficiency"])
     figures = {
         "one_step_off_speedup": per_mode["one_step_off"]["speedup"], "async_speedup": per_mode["async"]["speedup"],
         "sync_accuracy": per_mode["sync"]["accuracy"], "one_step_off_accuracy": per_mode["one_step_off"]["accuracy"],
         "async_accuracy": per_mode["async"]["accuracy"], "start_accuracy": start_accuracy,
+        "deterministic_one_step_off_speedup": per_mode["one_step_off_deterministic"]["speedup"],
+        "deterministic_async_speedup": per_mode["async_deterministic"]["speedup"],
         "overlap_efficiency": per_mode[best]["overlap_efficiency"], "overlap_efficiency_mode": best,
         "ideal_overlap_efficiency": ideal_efficiency, "sync_gen_share": sync_gen_s / sync_step_s,
         "sync_gen_s": sync_gen_s, "sync_train_s": sync_train_s, "modes": per_mode,
         "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step, "samples_per_prompt": SAMPLES_PER_PROMPT,
-        "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS, "seeds": args.seeds, "quick": args.quick,
+        "max_new_tokens": MAX_NEW_TOKENS, "max_staleness": MAX_STALENESS,
+        "max_staleness_deterministic_async": MAX_STALENESS_DETERMINISTIC_ASYNC, "seeds": args.seeds, "quick": args.quick,
         "trim_padding": args.trim_padding, "probe_every_syncs": args.probe_every_syncs, "pinned": args.pin,
         "checkpoint": checkpoint, "num_cpus": os.cpu_count(), "core_contention": contention, "load_average_start": load_start,
         "load_average_end": load_end, "runs": runs,
@@ -407,11 +422,11 @@ def main() -> int:
     low, high = TARGET_GEN_SHARE
     figures["passed"] = {
         "sync_gen_share": low <= figures["sync_gen_share"] <= high,
-        **{f"{mode}_speedup": per_mode[mode]["speedup"] >= TARGET_SPEEDUP for mode in ("one_step_off", "async")},
+        **{f"{mode}_speedup": per_mode[mode]["speedup"] >= TARGET_SPEEDUP for mode in OVERLAPPED},
         **{f"{mode}_accuracy": 100 * abs(per_mode[mode]["accuracy"] - per_mode["sync"]["accuracy"]) <= TARGET_ACCURACY_POINTS
-           for mode in ("one_step_off", "async")},
+           for mode in OVERLAPPED},
         **{f"{mode}_step_over_bound": per_mode[mode]["step_over_bound"] <= TARGET_STEP_OVER_MAX
-           for mode in ("one_step_off", "async")},
+           for mode in OVERLAPPED},
     }
     return finish(figures, args.json, args.check)
 

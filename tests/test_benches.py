@@ -171,11 +171,12 @@ def test_rollout_bench_runs_every_mode(tmp_path):
     figures = run_bench("rollout", tmp_path, "--run-dir", str(tmp_path / "run"))
     has_keys(figures, "one_step_off_speedup", "async_speedup", "sync_accuracy", "one_step_off_accuracy",
              "async_accuracy", "overlap_efficiency", "ideal_overlap_efficiency", "sync_gen_share", "core_contention",
-             "modes", "runs", "passed")
-    assert set(figures["modes"]) == {"sync", "one_step_off", "async"}
+             "modes", "runs", "passed", "deterministic_one_step_off_speedup", "deterministic_async_speedup")
+    assert set(figures["modes"]) == {"sync", "one_step_off", "async", "one_step_off_deterministic",
+                                     "async_deterministic"}
     for mode in figures["modes"].values():
         has_keys(mode, "step_s", "gen_s", "train_s", "cpu_s_per_step", "speedup", "accuracy", "step_over_bound")
-    assert [run["seed"] for run in figures["runs"]] == [0, 0, 0]
+    assert [run["seed"] for run in figures["runs"]] == [0] * 5
     assert all(len(run["step_times_s"]) == figures["num_steps"] for run in figures["runs"])
 
 

@@ -11,13 +11,14 @@ import torch
 
 from baton.algorithms import (
     POLICY_LOSSES, ROLLOUT_CORRECTIONS, CapConfig, MaskConfig, NoSettings, compute_policy_loss,
-    compute_rollout_correction, register_policy_loss, rollout_correction_spec,
+    compute_rollout_correction, policy_loss_spec, register_policy_loss, rollout_correction_spec,
 )
 from baton.config import ConfigError
 from baton.data import DataProto
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import AlgorithmConfig
 from baton.rl.losses import PolicyLoss
+from baton.rl.metrics import by_staleness, correction_diagnostics
 from baton.pipelines.rlvr import RLVRPipeline
 from baton.rl import StaleSamplesWarning
 from test_pipeline_paths import metrics_of, tiny_rlvr
@@ -176,6 +177,63 @@ def test_policy_loss_weighs_its_tokens_and_reports_the_correction_metrics():
     for key, (total, count) in expected_metrics.items():
         assert (halves[0][key][0] + halves[1][key][0], halves[0][key][1] + halves[1][key][1]) == pytest.approx(
             (total, count))
+
+
+def test_the_diagnostics_of_a_correction_against_hand_computed_values():
+    """Effective sample share and mismatch KL of the token ratios e, 1, 1/e, 1, exp(-0.7) (padding left out)."""
+    ratios = torch.tensor([E, 1, 1 / E, 1, R], dtype=torch.float64)
+    metrics = correction_diagnostics(OLD.nan_to_num(), ROLLOUT, MASK)
+    assert metrics["rollout_corr/ess"] == pytest.approx(float(ratios.sum() ** 2 / (5 * (ratios ** 2).sum())))
+    assert metrics["rollout_corr/seq_ess"] == pytest.approx((1 + R) ** 2 / (2 * (1 + R * R)))
+    assert metrics["rollout/mismatch_kl"] == pytest.approx(float((ratios - 1 - ratios.log()).mean()))
+    same = correction_diagnostics(ROLLOUT, ROLLOUT, MASK)  # on-policy: every weight 1, no mismatch
+    assert same == {"rollout_corr/ess": 1.0, "rollout_corr/seq_ess": 1.0, "rollout/mismatch_kl": 0.0}
+    one_dominates = correction_diagnostics(torch.tensor([[30.0, 0, 0, 0]]), torch.zeros(1, 4), torch.ones(1, 4))
+    assert one_dominates["rollout_corr/ess"] == pytest.approx(0.25)  # 1/n: one weight carries the batch
+
+
+def staleness_batch(max_staleness: int = 2):
+    """`batch_and_outputs` as the rollout system's batch at trained version 5: row 0's tokens sampled by versions
+    5, 4, 4 (staleness 0, 1, 1), row 1's by 3, 3 (staleness 2), its padding -1."""
+    outputs, batch = batch_and_outputs()
+    batch.batch["rollout_weight_versions"] = torch.tensor([[5, 4, 4], [3, 3, -1]])
+    batch.meta_info.update(trained_version=5, max_staleness=max_staleness)
+    return outputs, batch
+
+
+def test_a_stale_batch_is_split_by_staleness_in_its_metrics_and_its_loss_metrics():
+    outputs, batch = staleness_batch(max_staleness=3)
+    unsplit = staleness_batch(max_staleness=0)[1]  # the bound 0 (sync mode): no split
+    for each in (batch, unsplit):
+        each.batch["advantages"] = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -3.0, 0.0]])
+    metrics = by_staleness(batch)
+    assert [metrics[f"staleness/{s}/token_frac"] for s in range(4)] == [0.2, 0.4, 0.4, 0.0]  # 3: none that stale
+    assert [metrics[f"staleness/{s}/advantage_mean"] for s in range(4)] == [1.0, 2.5, -2.0, 0.0]
+    assert metrics["staleness/2/mismatch_kl"] == pytest.approx(((1 - 1) + (R - 1 + 0.7)) / 2)
+
+    loss_fn = PolicyLoss(rollout_correction="token_tis", correction_settings=CapConfig())
+    loss, split = loss_fn(outputs, batch)
+    plain, whole = loss_fn(outputs, unsplit)
+    assert by_staleness(unsplit) == {}
+    assert torch.equal(loss, plain) and set(split) - set(whole) == {
+        f"actor/{k}/staleness_{s}" for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower") for s in range(4)}
+    for key in ("pg_clipfrac", "ppo_kl"):  # the buckets' (sum, count) add up to the whole batch's
+        parts = [split[f"actor/{key}/staleness_{s}"] for s in range(4)]
+        assert (sum(p[0] for p in parts), sum(p[1] for p in parts)) == pytest.approx(whole[f"actor/{key}"])
+    assert split["actor/ppo_kl/staleness_3"] == (0.0, 0.0)  # named on every rank, counted on none
+
+
+def test_the_split_by_staleness_leaves_the_random_state_as_it_was():
+    """clip_cov draws the tokens it detaches from the global generator: the loss's metrics per staleness, computed
+    again, must not move it (the update would then differ from the one without them)."""
+    settings = policy_loss_spec("clip_cov").config(clip_cov_lb=-1e9, clip_cov_ub=1e9)  # every token a candidate
+    draws = []
+    for bound in (2, 0):
+        outputs, batch = staleness_batch(max_staleness=bound)
+        torch.manual_seed(0)
+        PolicyLoss(policy_loss="clip_cov", settings=settings)(outputs, batch)
+        draws.append(torch.rand(4))
+    assert torch.equal(*draws)
 
 
 @pytest.mark.parametrize("missing", ["rollout_log_probs", "old_log_probs"])

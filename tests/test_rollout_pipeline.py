@@ -12,6 +12,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from baton.checkpoint import PIPELINE_STATE, load_state
 from baton.config import ConfigError
@@ -78,7 +79,8 @@ def test_an_async_checkpoint_keeps_the_next_steps_groups_taken_ahead(tmp_path):
     run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "first", num_steps=3, mode="async", max_staleness=1))
     checkpoint = tmp_path / "first" / "checkpoints" / "step_2"
     state = load_state(str(checkpoint / PIPELINE_STATE))
-    assert len(state["next_rollout"]["groups"]) == 4 and state["rollouts"]["consumed_steps"] == 3
+    [ahead] = state["ahead"]
+    assert ahead["step"] == 3 and len(ahead["groups"]) == 4 and state["rollouts"]["consumed_steps"] == 3
     config = tiny(tmp_path / "resumed", num_steps=3, mode="async", max_staleness=1)
     config.trainer.resume = str(checkpoint)
     run_pipeline(RolloutRLVRPipeline, config)
@@ -86,6 +88,45 @@ def test_an_async_checkpoint_keeps_the_next_steps_groups_taken_ahead(tmp_path):
     assert sorted(resumed) == [3] and resumed[3]["rollout/staleness/max"] <= 1
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
         assert resumed[3][key] == first[3][key], key
+
+
+@pytest.mark.parametrize("mode,bound,staleness", [("one_step_off", 1, [0, 1, 1, 1]), ("async", 2, [0, 1, 2, 2])])
+def test_deterministic_overlapped_runs_repeat_their_metrics_and_weights(tmp_path, mode, bound, staleness):
+    """rollout_system.deterministic: step t's groups sample with the weights of version t - 1 - L (L rollouts run
+    ahead of training), so two runs of one seed log the same metrics (timings aside) and end with the same weights."""
+    from safetensors.torch import load_file
+
+    for name in ("first", "second"):
+        config = tiny(tmp_path / name, mode=mode, max_staleness=bound, deterministic=True)
+        config.algorithm = dataclasses.replace(config.algorithm, rollout_correction="token_tis")
+        run_pipeline(RolloutRLVRPipeline, config)
+    first, second = run_metrics(str(tmp_path / "first")), run_metrics(str(tmp_path / "second"))
+    assert first == second
+    assert [first[step]["rollout/staleness/max"] for step in (1, 2, 3, 4)] == staleness  # exactly L from step L + 1
+    # The correction's diagnostics, and the batch and the loss split by staleness (every token L versions old).
+    last = first[4]
+    assert 0 < last["rollout_corr/ess"] <= 1 and last["rollout/mismatch_kl"] >= 0
+    assert last[f"staleness/{bound}/token_frac"] == 1.0 and f"actor/pg_clipfrac/staleness_{bound}" in last
+    weights = [load_file(tmp_path / name / "checkpoints" / "step_4" / "actor" / "model.safetensors")
+               for name in ("first", "second")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+
+
+@pytest.mark.ray
+def test_deterministic_async_on_ray_repeats_its_metrics(tmp_path, ray_cluster):
+    """The same with the engines in processes of their own, generating beside the actor's."""
+    for name in ("first", "second"):
+        config = tiny(tmp_path / name, num_steps=3, mode="async", max_staleness=2, deterministic=True)
+        config.trainer = dataclasses.replace(config.trainer, backend="ray", num_nodes=1)
+        run_pipeline(RolloutRLVRPipeline, config)
+    first, second = run_metrics(str(tmp_path / "first")), run_metrics(str(tmp_path / "second"))
+    assert first == second and [first[step]["rollout/staleness/max"] for step in (1, 2, 3)] == [0, 1, 2]
+
+
+def test_a_deterministic_run_refuses_over_sampling():
+    with pytest.raises(ValueError, match="deterministic: over-sampling and a dynamic filter keep the groups that"):
+        RolloutSystemConfig(mode="async", deterministic=True, over_sampling_factor=2.0)
 
 
 def test_a_sync_run_resumes_exactly(tmp_path):
@@ -403,11 +444,9 @@ def test_the_wait_for_the_next_steps_batch_is_bounded(tmp_path):
     pipeline = RolloutRLVRPipeline(tiny(tmp_path, num_steps=1, engines=1, mode="one_step_off",
                                         rollout_timeout_s=0.2, watchdog_s=0.2))
     try:
-        pipeline.next_rollout = concurrent.futures.Future()  # a preparation that never finishes
         with pytest.raises(RolloutStalledError, match="the next step's batch was not ready within 0.4 s"):
-            pipeline.wait_next_rollout()
+            pipeline.wait_rollout(concurrent.futures.Future())  # a preparation that never finishes
     finally:
-        pipeline.next_rollout = None
         pipeline.shutdown()
 
 

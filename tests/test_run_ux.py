@@ -65,6 +65,9 @@ def test_the_plot_shows_entropy_when_kl_is_off_and_drops_panels_nothing_fills():
     assert [title for title, _ in choose_panels({"rlvr": grpo})] == [
         "reward (RL) / loss (SFT, DPO, distillation)", "validation accuracy", "policy entropy (KL off)", "response length"]
     assert "KL to reference" in [title for title, _ in choose_panels({"rlvr": with_kl})]
+    corrected = records({"critic/score/mean": 0.2, "rollout_corr/ess": 0.9, "rollout/mismatch_kl": 0.01})
+    assert ("off-policy: IS effective sample share, mismatch KL", ["rollout_corr/ess", "rollout/mismatch_kl"]) in \
+        choose_panels({"rlvr": corrected})
     assert [title for title, _ in choose_panels({"sft": sft})] == [
         "reward (RL) / loss (SFT, DPO, distillation)", "validation accuracy", "validation response length"]
 

@@ -184,9 +184,9 @@ class RolloutRLVRPipeline(Pipeline):
         self.time_share = not colocated and self.engines_share_devices(clusters, list(engines))
         if engines:
             self.publisher.publish(self.actor, version=0)
-        # The overlapped modes: the next step's (groups, metrics, batch or None), being generated or taken, and
-        # made training data, in the background while this step trains.
-        self.next_rollout: concurrent.futures.Future | None = None
+        # The overlapped modes: the next steps' (groups, metrics, batch or None) by step, being generated or taken,
+        # and made training data, in the background while this step trains (`lookahead` of them).
+        self.ahead: dict[int, concurrent.futures.Future] = {}
         self.maybe_resume()
 
     def engines_share_devices(self, clusters: dict, engines: list[str]) -> bool:
@@ -221,25 +221,34 @@ class RolloutRLVRPipeline(Pipeline):
 
     # --- state ------------------------------------------------------------------------------------
 
+    @property
+    def lookahead(self) -> int:
+        """How many steps' rollouts are prepared ahead of the one training: none in sync mode, one in one_step_off
+        and in free-running async (whose producer generates beside it), max_staleness in deterministic async."""
+        system = self.config.rollout_system
+        if system.mode == "sync":
+            return 0
+        return system.max_staleness if system.mode == "async" and system.deterministic else 1
+
     def pipeline_state(self) -> dict:
         """Besides the loop's (and the algorithm's): the data source (its buffer and the partial samples in it) and,
-        in the overlapped modes, the next step's groups, generated or taken ahead (waited for first)."""
+        in the overlapped modes, the next steps' groups, generated or taken ahead (waited for first)."""
         state = {**super().pipeline_state(), **self.algorithm.state_dict(), "rollouts": self.producer.state_dict(),
-                 "next_rollout": None}
-        if self.next_rollout is not None:
-            groups, metrics, _ = self.wait_next_rollout()
-            state["next_rollout"] = {"groups": [[s.to_dict() for s in g] for g in groups], "metrics": metrics}
+                 "ahead": []}
+        for step in sorted(self.ahead):
+            groups, metrics, _ = self.wait_rollout(self.ahead[step])
+            state["ahead"].append({"step": step, "groups": [[s.to_dict() for s in g] for g in groups],
+                                   "metrics": metrics})
         return state
 
     def load_pipeline_state(self, state: dict) -> None:
         super().load_pipeline_state(state)
         self.algorithm.load_state_dict(state)
         self.producer.load_state_dict(state["rollouts"])
-        saved = state.get("next_rollout")
-        if saved is not None:
+        for saved in state.get("ahead", []):
             groups = [[Sample.from_dict(d) for d in g] for g in saved["groups"]]
-            self.next_rollout = concurrent.futures.Future()
-            self.next_rollout.set_result((groups, saved["metrics"], None))  # made training data when its step comes
+            self.ahead[saved["step"]] = concurrent.futures.Future()
+            self.ahead[saved["step"]].set_result((groups, saved["metrics"], None))  # made training data in its step
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
@@ -252,8 +261,8 @@ class RolloutRLVRPipeline(Pipeline):
         meanwhile, is waited for first: its groups are saved as the next step's."""
         continuous = self.producer.producing
         if continuous:
-            if self.next_rollout is not None:
-                self.wait_next_rollout()
+            for pending in self.ahead.values():
+                self.wait_rollout(pending)
             self.producer.stop_continuous()
         path = super().do_checkpoint(step)
         if continuous and step < self.trainer.num_steps:
@@ -264,37 +273,38 @@ class RolloutRLVRPipeline(Pipeline):
 
     def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
         """The step's training batch and its metrics. In the overlapped modes it was prepared in the background
-        during the last step (or saved with it), and the next step's is started now: its groups are generated
-        (one_step_off) or taken from the producer (async) and made training data while this step trains, so that
-        only what training did not hide is waited for."""
-        if self.next_rollout is not None:
-            groups, metrics, made = self.wait_next_rollout()
-            self.next_rollout = None
-        else:
-            groups, metrics, made = self.prepare(step)
-        if self.config.rollout_system.mode != "sync" and step < self.trainer.num_steps:
-            self.next_rollout = self.producer.run_in_background(self.prepare, step + 1)
+        during an earlier step (or saved with it), and the next steps' up to `lookahead` are started now, one after
+        another: their groups are generated (one_step_off, deterministic async) or taken from the producer (async)
+        and made training data while this step trains, so that only what training did not hide is waited for.
+        Step t's are started once the engines hold the weights of version t - 1 - lookahead (this step's start:
+        version step - 1), and in deterministic mode no newer weights go in before they are done (`run`)."""
+        pending = self.ahead.pop(step, None)
+        groups, metrics, made = self.wait_rollout(pending) if pending is not None else self.prepare(step)
+        for later in range(step + 1, min(step + self.lookahead, self.trainer.num_steps) + 1):
+            if later not in self.ahead:
+                self.ahead[later] = self.producer.run_in_background(self.prepare, later)
         batch, data_metrics = made if made is not None else self.training_data(groups, step)  # None: from a checkpoint
         return batch, {**metrics, **data_metrics}
 
-    def wait_next_rollout(self) -> tuple:
-        """The next step's prepared (groups, metrics, batch or None). Its generate or take is bounded by
+    def wait_rollout(self, pending: concurrent.futures.Future) -> tuple:
+        """A later step's prepared (groups, metrics, batch or None). Its generate or take is bounded by
         rollout_timeout_s or watchdog_s; this wait by both together, past which a RolloutStalledError names the stall."""
         system = self.config.rollout_system
         timeout_s = system.rollout_timeout_s + system.watchdog_s
         try:
-            return self.next_rollout.result(timeout_s)
+            return pending.result(timeout_s)
         except concurrent.futures.TimeoutError:
-            if self.next_rollout.done():  # the preparation's own timeout
+            if pending.done():  # the preparation's own timeout
                 raise
             raise RolloutStalledError(self.pool.describe_stall(
                 f"the next step's batch was not ready within {timeout_s:g} s (rollout_system.rollout_timeout_s + "
                 "watchdog_s)")) from None
 
     def prepare(self, step: int) -> tuple[list[list[Sample]], dict[str, float], tuple[DataProto, dict]]:
-        """Step `step`'s groups (generated, or taken from the async producer), their metrics, and their training
-        batch."""
-        groups, metrics = self.producer.take() if self.config.rollout_system.mode == "async" else \
+        """Step `step`'s groups (generated, or taken from the free-running async producer), their metrics, and their
+        training batch."""
+        system = self.config.rollout_system
+        groups, metrics = self.producer.take() if system.mode == "async" and not system.deterministic else \
             self.producer.generate(step)
         return groups, metrics, self.training_data(groups, step)
 
@@ -314,7 +324,7 @@ class RolloutRLVRPipeline(Pipeline):
         tracker = self.make_tracker()
         start = time.perf_counter()
         first_val = self.first_validation()
-        if system.mode == "async" and self.global_step < trainer.num_steps:
+        if system.mode == "async" and not system.deterministic and self.global_step < trainer.num_steps:
             self.producer.start_continuous()
         metrics: dict[str, float] = {}
         for step in self.training_steps("rlvr"):
@@ -330,6 +340,9 @@ class RolloutRLVRPipeline(Pipeline):
                     if self.time_share:
                         with self.timer("reload"):
                             self.publisher.onload()
+                    if system.deterministic and step + self.lookahead in self.ahead:
+                        with self.timer("gen"):  # the rollouts ahead sample with the weights this step changes:
+                            self.wait_rollout(self.ahead[step + self.lookahead])  # done before they do
                     with self.timer("sync"):
                         sync_metrics = self.publisher.publish(self.actor, version=step) if engines else {}
             metrics = {**self.rollout_metrics(batch), **self.services.rewarder.error_metrics(),

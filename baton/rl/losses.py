@@ -76,7 +76,8 @@ class PolicyLoss:
                                             settings=self.settings, **agg)
         # The policy losses' own metrics are means over the valid tokens; the correction's are (sum, count) already.
         out = {"actor/pg_loss": unit_metric(loss, mask, self.loss_agg_mode),
-               **{f"actor/{k}": token_metric(float(v), mask) for k, v in metrics.items()}, **correction_metrics}
+               **{f"actor/{k}": token_metric(float(v), mask) for k, v in metrics.items()}, **correction_metrics,
+               **self._by_staleness(outputs, batch, old_log_probs, token_weights, agg, list(metrics))}
         entropy = entropy_loss(outputs["entropy"], mask, **agg)
         out["actor/entropy"] = unit_metric(entropy, mask, self.loss_agg_mode)
         if self.entropy_coeff:
@@ -87,6 +88,36 @@ class PolicyLoss:
             loss = loss + self.kl_loss_coef * kl
             out["actor/kl"] = unit_metric(kl, mask, self.loss_agg_mode)
         return loss * num_loss_units(mask, self.loss_agg_mode), out
+
+    def _by_staleness(self, outputs: dict[str, torch.Tensor], batch: DataProto, old_log_probs: torch.Tensor,
+                      token_weights: torch.Tensor | None, agg: dict, names: list[str]
+                      ) -> dict[str, tuple[float, float]]:
+        """The policy loss's metrics (`names`: clip fraction, ppo_kl, ...) over the tokens of each staleness s from 0
+        to the bound, as `actor/<metric>/staleness_<s>` (0 where no token is that stale), where the batch says each
+        token's weight version, the version it trains and the bound (`rollout_weight_versions`, meta_info
+        `trained_version` and `max_staleness` > 0: the rollout system's overlapped modes). The same names on every
+        rank, whatever its rows. Computed again per staleness, without gradients and with the random state restored
+        (a loss that samples tokens draws the same as without them)."""
+        versions, bound = batch.batch.get("rollout_weight_versions"), batch.meta_info.get("max_staleness", 0)
+        if versions is None or not bound:
+            return {}
+        mask = batch.batch["response_mask"]
+        real = mask.bool() & (versions >= 0)
+        staleness = batch.meta_info["trained_version"] - versions
+        log_probs = outputs["log_probs"].detach()
+        devices = [log_probs.device.index] if log_probs.is_cuda else []
+        out = {}
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for s in range(bound + 1):
+                bucket = (real & (staleness == s)).to(mask.dtype)
+                metrics = {}
+                if bucket.any():
+                    _, metrics = compute_policy_loss(self.policy_loss, log_probs, old_log_probs,
+                                                     batch.batch["advantages"], bucket, token_weights=token_weights,
+                                                     settings=self.settings, **agg)
+                out.update({f"actor/{k}/staleness_{s}": token_metric(float(metrics[k]), bucket) if k in metrics
+                            else (0.0, 0.0) for k in names})
+        return out
 
     def _column(self, batch: DataProto, name: str) -> torch.Tensor:
         if name not in batch.batch:

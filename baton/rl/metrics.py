@@ -35,6 +35,9 @@ def batch_metrics(batch: DataProto, groups: bool) -> dict[str, float]:
         metrics["critic/baseline_score/mean"] = float(data["reward_baselines"].mean())
     if "old_log_probs" in data and "rollout_log_probs" in data:
         metrics.update(logprob_gap(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+        metrics.update(correction_diagnostics(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+        if "rollout_weight_versions" in data:
+            metrics.update(by_staleness(batch))
     if groups:  # group estimators: the share of groups that teach nothing
         metrics["critic/frac_reward_zero_std"] = zero_std_group_fraction(data["scores"].numpy(),
                                                                          batch.non_tensor_batch["uid"])
@@ -52,6 +55,55 @@ def logprob_gap(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, 
     ratio = diff.exp()
     return {"rollout/logprob_diff/mean": float(diff.abs().mean()), "rollout/logprob_diff/max": float(diff.abs().max()),
             "rollout/is_ratio/min": float(ratio.min()), "rollout/is_ratio/max": float(ratio.max())}
+
+
+def correction_diagnostics(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                           mask: torch.Tensor) -> dict[str, float]:
+    """How well the engines' samples stand for the actor's policy (before the update), over response tokens, with
+    r = p_actor / p_rollout per token: the importance weights' effective sample size as a share of the tokens,
+    (sum r)^2 / (n sum r^2) (`rollout_corr/ess`; 1 where every weight is equal), the same over sequences (each
+    sequence's r the product of its tokens', `rollout_corr/seq_ess`), and the mismatch KL(rollout || actor) by the
+    k3 estimator mean(r - 1 - log r) (`rollout/mismatch_kl`, >= 0)."""
+    real = mask.bool()
+    log_ratio = (actor_log_probs - rollout_log_probs).masked_fill(~real, 0.0).clamp(-20.0, 20.0)
+    if not real.any():
+        return {}
+    token = log_ratio[real].double()
+    rows = real.any(-1)
+    return {"rollout_corr/ess": effective_sample_share(token), "rollout_corr/seq_ess":
+            effective_sample_share(log_ratio.sum(-1)[rows].double().clamp(-20.0, 20.0)),
+            "rollout/mismatch_kl": float((token.exp() - 1 - token).mean())}
+
+
+def effective_sample_share(log_weights: torch.Tensor) -> float:
+    """(sum w)^2 / (n sum w^2) of the weights exp(log_weights): 1 for equal weights, 1/n for one weight alone."""
+    w = (log_weights - log_weights.max()).exp()  # the share is scale-free: no overflow
+    return float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
+
+
+def by_staleness(batch: DataProto) -> dict[str, float]:
+    """The trained batch's tokens by staleness s from 0 to the bound (its meta_info `trained_version` less each
+    token's weight version; `max_staleness` > 0: the rollout system's overlapped modes): their share of the response
+    tokens (`staleness/s/token_frac`), advantage mean (`staleness/s/advantage_mean`) and mismatch KL against the actor
+    (`staleness/s/mismatch_kl`, as `correction_diagnostics`), so that stale tokens can be told from fresh ones; 0 where
+    no token is that stale."""
+    data, bound = batch.batch, batch.meta_info.get("max_staleness", 0)
+    if not bound:
+        return {}
+    versions = data["rollout_weight_versions"]
+    real = data["response_mask"].bool() & (versions >= 0)
+    staleness = batch.meta_info["trained_version"] - versions
+    log_ratio = (data["old_log_probs"] - data["rollout_log_probs"]).clamp(-20.0, 20.0).double()
+    metrics, total = {}, max(float(real.sum()), 1.0)
+    for s in range(bound + 1):
+        bucket = real & (staleness == s)
+        some = bool(bucket.any())
+        metrics[f"staleness/{s}/token_frac"] = float(bucket.sum()) / total
+        metrics[f"staleness/{s}/mismatch_kl"] = float((log_ratio[bucket].exp() - 1 - log_ratio[bucket]).mean()) \
+            if some else 0.0
+        if "advantages" in data:
+            metrics[f"staleness/{s}/advantage_mean"] = float(data["advantages"][bucket].mean()) if some else 0.0
+    return metrics
 
 
 def zero_std_group_fraction(scores: np.ndarray, uids: np.ndarray) -> float:

@@ -47,6 +47,13 @@ class RolloutSystemConfig:
     max_staleness: (async) the most policy versions between the weights that sampled a token and the weights that
         train on it, checked when a group is trained: a group past it is dropped (`rollout/num_dropped/stale`)
         and its prompt goes back to the buffer.
+    deterministic: (one_step_off, async) the same seed gives the same samples, metrics and weights run after run
+        (one machine, one thread count), generation still overlapping training: step t's groups are generated
+        together, in data order, entirely with the weights of version t - 1 - L (L = 1 in one_step_off,
+        max_staleness in async: that many steps' rollouts run ahead of training), and new weights go into the
+        engines only once the rollouts that sample with the old ones are done. Timing then decides nothing a step
+        trains on; a step waits where generation falls behind instead of training on fresher groups. Over-sampling
+        (which keeps the groups that finish first) is refused with it.
     rollout_function: slime's contract, `fn(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`
         (a coroutine function or a plain one); `args` is a `RolloutContext`.
     generate_function: per sample, `async fn(args, sample, params) -> Sample` (None: one engine request, resumed
@@ -82,6 +89,7 @@ class RolloutSystemConfig:
 
     mode: str = "sync"
     max_staleness: int = 1
+    deterministic: bool = False
     rollout_function: str = "generate_rollout"
     generate_function: str | None = None
     reward_function: str | None = None
@@ -115,6 +123,10 @@ class RolloutSystemConfig:
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("rollout_system.mode 'async' with max_staleness 0 cannot overlap generation and "
                              "training; use mode 'sync', or max_staleness >= 1")
+        if self.deterministic and (self.over_sampling_factor > 1.0 or self.dynamic_filter is not None):
+            raise ValueError("rollout_system.deterministic: over-sampling and a dynamic filter keep the groups that "
+                             "finish first, which timing decides; set over_sampling_factor: 1 and dynamic_filter: "
+                             "null, or deterministic: false")
         if self.over_sampling_factor < 1.0:
             raise ValueError(f"rollout_system.over_sampling_factor must be >= 1 (groups started per group needed), "
                              f"got {self.over_sampling_factor}")

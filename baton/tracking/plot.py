@@ -1,4 +1,5 @@
-"""A PNG of a run: reward, validation accuracy (and pass@n), KL (or, with KL off, entropy) and response length
+"""A PNG of a run: reward, validation accuracy (and pass@n), KL (or, with KL off, entropy), response length and,
+with a rollout correction, the importance weights' effective sample share and the rollout/trainer mismatch KL,
 against step. A run of several stages (SFT then GRPO) draws them one after another on the step axis, each stage's
 steps after the last one of the stage before, with the boundaries marked."""
 
@@ -18,6 +19,7 @@ PANELS = [
     [("validation accuracy", ["val/accuracy", "val/pass@*"])],
     [("KL to reference", ["actor/kl", "actor/reward_kl_penalty"]), ("policy entropy (KL off)", ["actor/entropy"])],
     [("response length", ["response_length/mean"]), ("validation response length", ["val/response_length/mean"])],
+    [("off-policy: IS effective sample share, mismatch KL", ["rollout_corr/ess", "rollout/mismatch_kl"])],
 ]
 
 
