@@ -1,5 +1,6 @@
 """The `baton` command: `run` a pipeline from a YAML config (or the built-in demo), print a resolved
-`config`, `plot` a run directory, `eval`, `generate` or `export` (a plain HF directory) from a checkpoint.
+`config`, `plot` a run directory or `trace` one sample's path through it, `eval`, `generate` or `export` (a plain
+HF directory) from a checkpoint.
 
 Imports stay inside the commands: `baton --help` must not pay for torch and Ray."""
 
@@ -91,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                          "default: this run's own first stage's latest")
     plot = commands.add_parser("plot", help="write metrics.png for a run directory")
     plot.add_argument("run_dir")
+    trace_cmd = commands.add_parser("trace", help="print one sample's path through a traced run (trainer.trace)",
+                                    description="Every span and mark of the run's trace that names the sample: its "
+                                    "requests and their engines, its group's reward and buffer wait, the step that "
+                                    "trained it and its tokens' weight versions.")
+    trace_cmd.add_argument("run_dir")
+    trace_cmd.add_argument("--sample", required=True, help="the sample's id, g<group>-s<sample> (e.g. g12-s3)")
     checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_200/actor), a step directory "
                        "(its actor), a run directory (its latest step), or runs/demo (its last stage)")
     evaluate = commands.add_parser("eval", help="held-out accuracy, pass@k (with --num-samples > 1) and mean reward of a "
@@ -151,6 +158,20 @@ def main(argv: list[str] | None = None) -> int:
         from baton.tracking import plot_run
 
         print(plot_run(args.run_dir))
+        return 0
+    if args.command == "trace":
+        from baton.tracking.trace import sample_path
+
+        try:
+            lines = sample_path(args.run_dir, args.sample)
+        except ValueError as error:
+            parser.error(str(error))
+        if not lines:
+            print(f"baton trace: no event names sample {args.sample} in {args.run_dir} (was it run with "
+                  "trainer.trace: true, and is its group among those traced, trainer.trace_every_groups?)",
+                  file=sys.stderr)
+            return 1
+        print("\n".join(lines))
         return 0
     if args.command in ("eval", "generate", "export"):
         return evaluate_or_generate(args)

@@ -24,7 +24,7 @@ TIMEOUT_S = 600
 HAS_TRL = importlib.util.find_spec("trl") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 TESTED = {"controller", "dag", "demo_seeds", "e2e", "engines", "gpu_check", "rollout", "sandbox", "scale", "strategy",
-          "sync"}  # bench/common.py is shared code
+          "sync", "trace"}  # bench/common.py is shared code
 
 
 def run_bench(name: str, tmp_path, *args: str) -> dict:
@@ -112,6 +112,14 @@ def test_scale_bench_reports_a_side_past_its_memory_cap_and_goes_on(tmp_path):
     figures = run_bench("scale", tmp_path, "--mem-cap-gib", "0.05")
     assert all(side.get("out_of_memory") for side in figures["sides"].values())
     assert figures["packed_vs_padded_tokens_per_s"] is None and figures["passed"]["packed_vs_padded_tokens_per_s"] is False
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_trace_bench(tmp_path):
+    figures = run_bench("trace", tmp_path)
+    has_keys(figures, "tracer_share", "events_per_step", "step_s_off", "step_s_on", "passed")
+    assert 0 < figures["tracer_share"] < 1 and figures["events_per_step"] > 0
 
 
 @pytest.mark.ray

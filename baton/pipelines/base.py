@@ -33,7 +33,7 @@ from baton.pipelines.role_layout import describe_roles, devices_needed, model_ro
 from baton.pipelines.run_dir import check_run_dir, checkpoint_path, remove_previous_run
 from baton.pipelines.signals import TrainingInterrupted, deferred_interrupt
 from baton.pipelines.time_sharing import TimeSharing
-from baton.tracking import Tracker, plot_run
+from baton.tracking import Tracker, plot_run, trace
 from baton.tracking.health import HealthMonitor
 from baton.tracking.progress import progress, quiet_library_bars
 from baton.tracking.samples import batch_rows, print_validation
@@ -188,6 +188,9 @@ class Pipeline:
         yield
         key = f"timing_s/{name}"
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+        if (current := trace.tracer()) is not None:
+            end = time.time()
+            current.span("trainer", name, end - (time.perf_counter() - start), end, step=self.global_step)
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -214,6 +217,8 @@ class Pipeline:
         `pipeline_state()`), then keep the last `trainer.keep_last_checkpoints` and, always, this one."""
         self.on_device(*self.roles_to_save_from())
         final = write_checkpoint(self.trainer.run_dir, step, self.named(self.checkpoint_clusters), self.pipeline_state)
+        if (current := trace.tracer()) is not None:
+            current.flush(write_trace=True)
         self.last_saved_step = step
         prune_checkpoints(self.trainer.run_dir, self.trainer.keep_last_checkpoints, final)
         return final
@@ -267,6 +272,8 @@ class Pipeline:
             metrics.update(self.validation(step))
         metrics.update(self.health.check(step, metrics, self.first_val))  # warns once per kind: health/<kind> = 1
         self.tracker.log(metrics, step=step)
+        if (current := trace.tracer()) is not None:
+            current.flush()
         self.bar.set_postfix({label: f"{metrics[key]:.3f}",
                               "val_acc": f"{metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "-"})
         if step % trainer.save_every_steps == 0 or last:
@@ -326,18 +333,22 @@ class Pipeline:
         self.tracker = Tracker(self.trainer.run_dir, self.trainer.tracker, config=to_dict(self.config),
                                resumed_from_step=self.global_step if self.global_step > 0 else None)
         self.health = HealthMonitor(self.trainer.num_steps)  # reads each step's metrics (`end_step`)
+        if self.trainer.trace:
+            trace.start(self.trainer.run_dir, self.trainer.trace_every_groups)
         if self.health_state is not None:  # a resumed run: what it had seen and warned of
             self.health.load_state_dict(self.health_state)
         return self.tracker
 
     def finish(self, summary: dict) -> dict:
-        """Write summary.json and the plot; returns the summary."""
+        """Write summary.json, the trace (`trainer.trace`) and the plot; returns the summary."""
+        trace.stop()
         with open(os.path.join(self.trainer.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         summary["plot"] = plot_run(self.trainer.run_dir)
         return summary
 
     def shutdown(self) -> None:
+        trace.stop()  # a run that failed keeps its trace up to then
         for cluster in self.clusters.values():
             cluster.shutdown()
         self.manager.shutdown()

@@ -193,6 +193,11 @@ class TrainerConfig:
     # log_samples_every_steps-th training step (0: never), the first log_samples prompts of its batch too (RL loops).
     log_samples: int = 4
     log_samples_every_steps: int = 0
+    # A trace per sample (baton.tracking.trace): trace.json in the run directory, for Perfetto or chrome://tracing,
+    # of every traced group's requests, reward, buffer wait and train step, and the trainer's phases; one prompt group
+    # in trace_every_groups is traced. `baton trace RUN --sample g12-s3` prints one sample's path.
+    trace: bool = False
+    trace_every_groups: int = 1
     # Model roles whose devices overlap (device_mapping) take turns on them: the rollout is offloaded (vLLM: put to
     # sleep) while the actor, reference and critic compute, and they are offloaded while it generates; in DPO and
     # distillation the reference or teacher is offloaded while the actor trains, and reloaded to score. "auto": on
@@ -211,6 +216,8 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_choice("trainer.weight_sync_transport", self.weight_sync_transport, TRANSPORTS)
+        if self.trace_every_groups < 1:
+            raise ValueError(f"trainer.trace_every_groups must be >= 1 (1: every group), got {self.trace_every_groups}")
         if self.weight_sync_delta and not self.weight_sync_fingerprints:
             raise ValueError("trainer.weight_sync_delta sends the weights whose fingerprint changed: it needs "
                              "trainer.weight_sync_fingerprints: true")

@@ -41,6 +41,7 @@ from baton.rollout.producer import RolloutProducer
 from baton.rollout.publisher import WeightPublisher
 from baton.rollout.reward import GroupRewarder
 from baton.strategy.capabilities import backends_that, can_share_weights, capabilities, shares_policy_weights
+from baton.tracking import trace
 from baton.workers import ActorWorker, CriticWorker
 from baton.workers.weight_sync import probe_batch
 
@@ -333,6 +334,8 @@ class RolloutRLVRPipeline(Pipeline):
                     batch, rollout_metrics = self.next_batch(step)
                 batch, train_metrics, sync_metrics = batch, {}, {}
                 if not system.rollout_only:
+                    if (current := trace.tracer()) is not None:
+                        current.train_started(step, trained_version=step - 1)
                     if self.time_share:  # the engines sleep while the training roles use their devices
                         with self.timer("offload"):
                             self.publisher.offload()

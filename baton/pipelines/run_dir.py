@@ -8,11 +8,13 @@ import sys
 
 from baton.config import ConfigError
 from baton.pipelines.config import TrainerConfig
+from baton.tracking.trace import EVENTS_FILE, TRACE_FILE
 
 CHECKPOINT_PREFIX = "step_"
 # with the checkpoints: what shows that a run wrote a directory
 RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "summary.json")
-RUN_OUTPUTS = (*RUN_RECORDS, "metrics.png")  # with the checkpoints: what `trainer.overwrite` removes
+# with the checkpoints: what `trainer.overwrite` removes
+RUN_OUTPUTS = (*RUN_RECORDS, "metrics.png", EVENTS_FILE, TRACE_FILE)
 # and the tensorboard sink's event files, which tensorboard would otherwise show beside the new run's (wandb's
 # directory stays: each wandb run has its own there, and an offline one may not be synced yet)
 RUN_OUTPUT_DIRS = ("tensorboard",)

@@ -17,6 +17,7 @@ from baton.rollout.reward import GroupRewarder
 from baton.rollout.router import Router
 from baton.rollout.sample import Sample
 from baton.strategy import SamplingParams
+from baton.tracking import trace
 
 
 def load_plugin(name: str | None, what: str) -> Callable | None:
@@ -74,7 +75,7 @@ class RolloutContext:
 
     def request_id(self, sample: Sample) -> str:
         """A fresh request id for `sample`; `generate_request` with it can be aborted by `abort([sample])`."""
-        request_id = f"g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
+        request_id = f"{'eval-' if self.evaluation else ''}g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
         key = (sample.group_index, sample.sample_index)
         self._request_ids[key], self._request_keys[request_id] = request_id, key
         return request_id
@@ -96,7 +97,13 @@ class RolloutContext:
         return await self._generate(self, sample, params)
 
     async def reward(self, group: list[Sample]) -> None:
-        await self._services.rewarder(self, group)
+        current = trace.tracer()
+        if current is None or self.evaluation or not current.traced(group[0].group_index if group else None):
+            await self._services.rewarder(self, group)
+            return
+        with current.timed("reward", "reward", group=group[0].group_index,
+                           samples=[trace.sample_id(s.group_index, s.sample_index) for s in group]):
+            await self._services.rewarder(self, group)
 
     def keep(self, group: list[Sample]) -> tuple[bool, str]:
         """The dynamic filter's verdict on a rewarded group: (keep, reason to drop)."""

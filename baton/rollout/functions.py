@@ -13,12 +13,14 @@ import asyncio
 import dataclasses
 import math
 import statistics
+import time
 from collections import Counter
 
 from baton.engines.protocol import GenerationRequest
 from baton.rollout.reward import RewardTimeout
 from baton.rollout.sample import TRAINABLE, Sample, Status
 from baton.strategy import SamplingParams
+from baton.tracking import trace
 
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -65,6 +67,9 @@ async def generate_group(args, group: list[Sample], params: SamplingParams) -> l
     returned unrewarded, to go back to the buffer). A sample whose generation FAILED (a multi-turn episode whose
     environment raised or hung) is taken out of the group and counted (`rollout/num_dropped/failed_samples`);
     a group left with none raises GroupFailed."""
+    current = trace.tracer()
+    traced = current is not None and not getattr(args, "evaluation", False) and bool(group) and current.traced(group[0].group_index)
+    start = time.time()
     await asyncio.gather(*(args.generate(sample, params) for sample in group))
     failed = [sample for sample in group if sample.status == Status.FAILED]
     if failed:
@@ -76,6 +81,12 @@ async def generate_group(args, group: list[Sample], params: SamplingParams) -> l
                               f"{failed[0].metadata.get('env_error', 'no reason recorded')}")
     if all(sample.status in TRAINABLE for sample in group) and any(s.reward is None for s in group):
         await args.reward(group)
+    if traced:
+        done = all(sample.status in TRAINABLE for sample in group)
+        current.span("driver", "group", start, time.time(), group=group[0].group_index, done=done,
+                     samples=[trace.sample_id(s.group_index, s.sample_index) for s in group])
+        if done:
+            current.group_ready(group[0].group_index)
     return group
 
 

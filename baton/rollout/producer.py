@@ -28,6 +28,7 @@ from baton.rollout.functions import GroupFailed, RolloutStalledError, abort_grou
 from baton.rollout.reward import RewardTimeout
 from baton.rollout.sample import Sample, samples_to_data
 from baton.strategy import SamplingParams
+from baton.tracking import trace
 
 
 ADMIT_CHUNK = 8  # groups the async producer starts between two turns of the event loop
@@ -240,6 +241,8 @@ class RolloutProducer:
         # Each token's staleness is the trained version less its own; the losses and metrics split by it up to the
         # bound (none in sync mode, where every token is fresh).
         batch.meta_info["trained_version"] = trained_version
+        if (current := trace.tracer()) is not None:
+            current.batch_made(samples, trained_version)
         batch.meta_info["max_staleness"] = self.config.max_staleness if self.config.mode != "sync" else 0
         return batch, {"rollout/staleness/mean": float(staleness.mean()), "rollout/staleness/max": float(staleness.max()),
                        "rollout/num_groups": float(len(groups)),

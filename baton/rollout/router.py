@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 from baton.distributed import Cluster
 from baton.engines.protocol import GenerationRequest, GenerationResult
 from baton.rollout.engine_worker import RequestFailure
+from baton.tracking import trace
 
 
 def _unstarted(request: GenerationRequest) -> GenerationResult:
@@ -42,6 +43,7 @@ class _Request:
     engine: int | None = None  # None: waiting for a live engine
     attempts: int = 0
     sent: bool = False  # handed to its engine (else waiting in the engine's outbox)
+    sent_at: float = 0.0  # when (time.time()), for the trace
 
 
 @dataclass
@@ -209,8 +211,9 @@ class Router:
             state = self._state[index]
             batch, state.outbox = state.outbox, []
             batch = [e for e in batch if e.engine == index and self._requests.get(e.request.request_id) is e]
+            now = time.time()
             for entry in batch:
-                entry.sent = True
+                entry.sent, entry.sent_at = True, now
             call = self.engines[index].submit([entry.request for entry in batch]) if batch else None
         if call is not None:
             call.get()
@@ -225,6 +228,8 @@ class Router:
             del self._requests[item.request_id]
             self._state[index].outstanding -= 1
             self._state[index].served += 1
+        if (current := trace.tracer()) is not None:
+            _trace_request(current, index, entry, item)
         if isinstance(item, RequestFailure):
             entry.future.set_exception(EngineFailedError(f"engine {index} failed request {item.request_id!r}: "
                                                          f"{item.error}"))
@@ -321,3 +326,21 @@ class Router:
             self._state[index].alive = True
             self._state[index].restarts += 1
             self._assign([e for e in self._requests.values() if e.engine is None])
+
+
+def _trace_request(current: trace.Tracer, index: int, entry: _Request, item: GenerationResult | RequestFailure) -> None:
+    """A traced sample's request on engine `index`'s track: from its hand-over to the engine to its result."""
+    sample, group, evaluation = trace.request_sample(entry.request.request_id)
+    if not current.traced(group):
+        return
+    args = {"sample": sample, "group": group, "request_id": entry.request.request_id, "attempt": entry.attempts}
+    if evaluation:
+        args["eval"] = True
+    if isinstance(item, RequestFailure):
+        args["error"] = str(item.error)[:200]
+    else:
+        made = [v for v in item.weight_versions[len(entry.request.prefix_response_ids):] if v >= 0]
+        args.update(finish=item.finish_reason, tokens=len(item.response_ids), versions=[min(made), max(made)] if made
+                    else [])
+    current.span(f"engine {index}", "eval request" if evaluation else "request", entry.sent_at or time.time(),
+                 time.time(), **args)
