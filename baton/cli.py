@@ -92,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                          "default: this run's own first stage's latest")
     plot = commands.add_parser("plot", help="write metrics.png for a run directory")
     plot.add_argument("run_dir")
-    trace_cmd = commands.add_parser("trace", help="print one sample's path through a traced run (trainer.trace)",
+    trace_cmd = commands.add_parser("trace", help="print one sample's path through a traced run (trainer.trace), or "
+                                    "write its trace.json",
                                     description="Every span and mark of the run's trace that names the sample: its "
                                     "requests and their engines, its group's reward and buffer wait, the step that "
                                     "trained it and its tokens' weight versions.")
     trace_cmd.add_argument("run_dir")
-    trace_cmd.add_argument("--sample", required=True, help="the sample's id, g<group>-s<sample> (e.g. g12-s3)")
+    trace_cmd.add_argument("--sample", default=None, help="the sample's id, g<group>-s<sample> (e.g. g12-s3); "
+                           "without it: write the run's trace.json from its events (a run that was killed)")
     checkpoint_help = ("a checkpoint: a role directory (runs/demo/rlvr/checkpoints/step_200/actor), a step directory "
                        "(its actor), a run directory (its latest step), or runs/demo (its last stage)")
     evaluate = commands.add_parser("eval", help="held-out accuracy, pass@k (with --num-samples > 1) and mean reward of a "
@@ -160,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_run(args.run_dir))
         return 0
     if args.command == "trace":
-        from baton.tracking.trace import sample_path
+        from baton.tracking.trace import sample_path, write_trace
 
         try:
+            if args.sample is None:
+                print(write_trace(args.run_dir))
+                return 0
             lines = sample_path(args.run_dir, args.sample)
         except ValueError as error:
             parser.error(str(error))

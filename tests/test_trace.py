@@ -20,7 +20,6 @@ def check_schema(trace: dict) -> None:
     """Chrome's JSON object format as Perfetto's importer reads it: complete ("X"), instant ("i") and metadata ("M")
     events with integer pid, tid and microsecond times."""
     assert set(trace) == {"traceEvents", "displayTimeUnit", "otherData"} and trace["displayTimeUnit"] == "ms"
-    assert trace["otherData"]["tracer_s"] > 0  # what tracing cost the run, for bench/trace.py
     for event in trace["traceEvents"]:
         assert event["ph"] in ("X", "i", "M") and isinstance(event["name"], str), event
         assert isinstance(event["pid"], int) and isinstance(event["tid"], int) and isinstance(event["args"], dict)
@@ -42,6 +41,7 @@ def test_a_traced_async_run_follows_each_sample_from_its_request_to_its_train_st
     with open(tmp_path / TRACE_FILE) as f:
         trace = json.load(f)
     check_schema(trace)
+    assert trace["otherData"]["tracer_s"] > 0  # what tracing cost the run's steps, for bench/trace.py
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert tracks == {"driver", "engine 0", "engine 1", "reward", "buffer", "trainer"}
     assert trace["traceEvents"] == read_events(str(tmp_path / EVENTS_FILE))  # the file a killed run leaves says the same
@@ -49,17 +49,18 @@ def test_a_traced_async_run_follows_each_sample_from_its_request_to_its_train_st
     trained = [e for e in trace["traceEvents"] if e["name"] == "train"]
     assert {e["args"]["step"] for e in trained} == {1, 2, 3}
     last = next(e for e in trained if e["args"]["step"] == 3)  # step 3 trains version 2 on tokens of version 0
-    assert last["args"]["versions"] == [0, 0] and last["args"]["staleness"] == 2
-    path = sample_events(str(tmp_path), last["args"]["sample"])
+    assert last["args"]["versions"] == [[0, 0], [0, 0]] and last["args"]["staleness"] == [2, 2]  # a group's 2 samples
+    sample = last["args"]["samples"][1]
+    path = sample_events(str(tmp_path), sample)
     names = [event["name"] for event in path]
     assert names == ["group", "request", "reward", "buffered", "train"]  # the group's span holds its requests
     assert path[1]["track"].startswith("engine ") and path[1]["args"]["versions"] == [0, 0]
-    lines = sample_path(str(tmp_path), last["args"]["sample"])
+    lines = sample_path(str(tmp_path), sample)
     assert len(lines) == len(path) and lines[-1].split()[3:5] == ["trainer", "train"]
     phases = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == trained[0]["pid"]}
     assert {"gen", "update_actor", "sync"} <= phases  # the trainer's track: each step's phases, the sync among them
 
-    assert main(["trace", str(tmp_path), "--sample", last["args"]["sample"]]) == 0
+    assert main(["trace", str(tmp_path), "--sample", sample]) == 0
     assert capsys.readouterr().out.splitlines() == lines
     assert main(["trace", str(tmp_path), "--sample", "g9999-s0"]) == 1
     with pytest.raises(SystemExit):
@@ -76,5 +77,8 @@ def test_one_group_in_n_is_traced_and_a_torn_last_line_is_skipped(tmp_path):
     events = read_events(str(tmp_path / EVENTS_FILE))
     assert [e["name"] for e in events] == ["process_name", "group"] and events[1]["dur"] == 1_500_000
     assert os.path.getsize(tmp_path / EVENTS_FILE) > 0 and not os.path.exists(tmp_path / TRACE_FILE)
+    assert main(["trace", str(tmp_path)]) == 0  # a killed run's trace.json, from its events
+    with open(tmp_path / TRACE_FILE) as f:
+        check_schema(json.load(f))
     with pytest.raises(ValueError, match="trainer.trace_every_groups must be >= 1"):
         Tracer(str(tmp_path), every_groups=0)

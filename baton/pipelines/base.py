@@ -218,7 +218,7 @@ class Pipeline:
         self.on_device(*self.roles_to_save_from())
         final = write_checkpoint(self.trainer.run_dir, step, self.named(self.checkpoint_clusters), self.pipeline_state)
         if (current := trace.tracer()) is not None:
-            current.flush(write_trace=True)
+            current.flush()
         self.last_saved_step = step
         prune_checkpoints(self.trainer.run_dir, self.trainer.keep_last_checkpoints, final)
         return final

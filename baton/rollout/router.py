@@ -329,7 +329,16 @@ class Router:
 
 
 def _trace_request(current: trace.Tracer, index: int, entry: _Request, item: GenerationResult | RequestFailure) -> None:
-    """A traced sample's request on engine `index`'s track: from its hand-over to the engine to its result."""
+    """A traced sample's request on engine `index`'s track: from its hand-over to the engine to its result (its CPU
+    time counted into the tracer's cost)."""
+    start, counted = time.thread_time(), current.cost_s
+    try:
+        _record_request(current, index, entry, item)
+    finally:  # what its span already counted, once
+        current.cost_s += time.thread_time() - start - (current.cost_s - counted)
+
+
+def _record_request(current: trace.Tracer, index: int, entry: _Request, item: GenerationResult | RequestFailure) -> None:
     sample, group, evaluation = trace.request_sample(entry.request.request_id)
     if not current.traced(group):
         return

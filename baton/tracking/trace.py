@@ -3,9 +3,9 @@ version of its tokens) and what the trainer did meanwhile, as Chrome trace event
 (ui.perfetto.dev) and chrome://tracing open.
 
 `trainer.trace: true` turns it on (`trainer.trace_every_groups: N` traces one prompt group in N; the trainer's
-phases are traced always). The run directory then holds `trace.events.jsonl`, one event per line, appended as they
-happen (so a run that dies keeps its trace up to then), and `trace.json`, the same as one trace file, written at
-every checkpoint and at the end. Each track is one part of the run as the driver sees it: "driver" (each group's
+phases are traced always). The run directory then holds `trace.events.jsonl`, one event per line, appended every
+step (so a run that dies keeps its trace up to then), and, once the run ends, `trace.json`, the same as one trace
+file (`baton trace RUN` writes it for a run that was killed). Each track is one part of the run as the driver sees it: "driver" (each group's
 generation and reward), "engine <i>" (each request, from its hand-over to the engine to its result), "reward",
 "buffer" (a group from generated to trained) and "trainer" (each step's phases, the weight sync among them). Every
 span of a sample carries its id, "g<group>-s<sample>" (group spans: the group and its samples' ids), and the weight
@@ -53,15 +53,16 @@ def request_sample(request_id: str) -> tuple[str | None, int | None, bool]:
 
 
 def _costed(method):
-    """Count the time a `Tracer` method takes into its `cost_s` (what tracing adds to the run, in the caller)."""
+    """Count the CPU time a `Tracer` method takes in its caller's thread into `cost_s` (what tracing adds to the run;
+    CPU, not wall time, which would also count the other threads that hold the interpreter meanwhile)."""
 
     @functools.wraps(method)
     def timed_method(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.cost_s += time.perf_counter() - start
+            self.cost_s += time.thread_time() - start
 
     return timed_method
 
@@ -123,40 +124,43 @@ class Tracer:
     @_costed
     def train_started(self, step: int, trained_version: int) -> None:
         """Step `step` starts training version `trained_version` on the batch `batch_made` reported: each of its
-        groups' wait in the buffer ends, and each sample gets a "train" mark with its tokens' staleness."""
+        groups' wait in the buffer ends, and each group gets a "train" mark with its samples, their tokens' weight
+        versions (oldest, newest) and staleness (one list entry per sample)."""
         now = time.time()
         with self._lock:
             batch = self._batches.pop(trained_version, [])
-            ready = {group: self._ready.pop(group, None) for group in {group for group, _, _ in batch}}
-        for group, at in ready.items():
-            if at is not None:
-                members = [sample_id(g, s) for g, s, _ in batch if g == group]
-                self.span("buffer", "buffered", at, now, group=group, samples=members, step=step)
+        groups: dict[int, list[tuple[int, list[int]]]] = {}
         for group, sample, versions in batch:
-            made = [v for v in versions if v >= 0]
-            self._add({"ph": "i", "s": "t", "name": "train", "pid": self._track("trainer"), "tid": 0,
-                       "ts": round(now * 1e6), "args": {
-                           "sample": sample_id(group, sample), "group": group, "step": step,
-                           "trained_version": trained_version, "versions": [min(made), max(made)] if made else [],
-                           "staleness": trained_version - min(made) if made else 0}})
+            groups.setdefault(group, []).append((sample, [v for v in versions if v >= 0]))
+        trainer = self._track("trainer")
+        for group, samples in groups.items():
+            with self._lock:
+                at = self._ready.pop(group, None)
+            ids = [sample_id(group, sample) for sample, _ in samples]
+            if at is not None:
+                self.span("buffer", "buffered", at, now, group=group, samples=ids, step=step)
+            self._add({"ph": "i", "s": "t", "name": "train", "pid": trainer, "tid": 0, "ts": round(now * 1e6),
+                       "args": {"group": group, "samples": ids, "step": step, "trained_version": trained_version,
+                                "versions": [[min(made), max(made)] if made else [] for _, made in samples],
+                                "staleness": [trained_version - min(made) if made else 0 for _, made in samples]}})
 
     # --- files ---------------------------------------------------------------------------------------
 
     @_costed
-    def flush(self, write_trace: bool = False) -> None:
-        """Append the events so far to `trace.events.jsonl`; with `write_trace`, rewrite `trace.json` from it."""
+    def flush(self) -> None:
+        """Append the events so far to `trace.events.jsonl`."""
         with self._lock:
             pending, self._pending = self._pending, []
         if pending:
             with open(self.events_path, "a") as f:
                 f.write("".join(json.dumps(event) + "\n" for event in pending))
-        if write_trace:
-            path = os.path.join(self.run_dir, TRACE_FILE)
-            partial = path + ".partial"
-            with open(partial, "w") as f:
-                json.dump({"traceEvents": read_events(self.events_path), "displayTimeUnit": "ms",
-                           "otherData": {"tracer_s": self.cost_s}}, f)
-            os.replace(partial, path)
+
+    def write_trace(self) -> str | None:
+        """`trace.json` from `trace.events.jsonl` (after `flush`), with what tracing cost the run's steps
+        (`otherData.tracer_s`: CPU seconds in the tracer's methods, this write left out); its path (None: nothing
+        was traced, a run that failed before its first step)."""
+        self.flush()
+        return write_trace(self.run_dir, {"tracer_s": self.cost_s}) if os.path.isfile(self.events_path) else None
 
     def _track(self, name: str) -> int:
         with self._lock:
@@ -184,7 +188,22 @@ def stop() -> None:
     global _current
     current, _current = _current, None
     if current is not None:
-        current.flush(write_trace=True)
+        current.write_trace()
+
+
+def write_trace(run_dir: str, other: dict | None = None) -> str:
+    """`run_dir`'s `trace.json` (Chrome's object format, what Perfetto opens) from its `trace.events.jsonl`, written
+    atomically; `other`: the file's "otherData". A run that ended writes it itself; one that was killed leaves the
+    events only (`baton trace RUN` writes it then)."""
+    path = os.path.join(run_dir, TRACE_FILE)
+    events = read_events(os.path.join(run_dir, EVENTS_FILE))
+    if not events:
+        raise ValueError(f"{run_dir} has no {EVENTS_FILE}: was it run with trainer.trace: true?")
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other or {}}, f)
+    os.replace(partial, path)
+    return path
 
 
 def read_events(path: str) -> list[dict]:
@@ -235,4 +254,4 @@ def sample_path(run_dir: str, wanted: str) -> list[str]:
 
 
 __all__ = ["EVENTS_FILE", "TRACE_FILE", "Tracer", "read_events", "request_sample", "sample_events", "sample_id",
-           "sample_path", "start", "stop", "tracer"]
+           "sample_path", "start", "stop", "tracer", "write_trace"]
