@@ -64,6 +64,7 @@ class RolloutContext:
         self._ids = itertools.count()
         self._request_ids: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
         self._request_keys: dict[str, tuple[int, int]] = {}  # and back
+        self._together: list = []  # deterministic mode: (request, affinity key, its ticket) made this loop turn
         self.response_key = services.response_key
         self.extras = services.extras
         self._generate = load_plugin(self.config.generate_function, "generate_function") or generate_sample
@@ -82,11 +83,38 @@ class RolloutContext:
 
     async def generate_request(self, request: GenerationRequest, affinity_key: str | None = None) -> GenerationResult:
         """One request through the router; requests with one `affinity_key` (a multi-turn conversation's id) go to
-        one engine, whose prefix cache then holds the conversation."""
+        one engine, whose prefix cache then holds the conversation. In deterministic mode the requests made in one
+        turn of the event loop go to the router together (`_submit_together`)."""
         try:
-            return await asyncio.wrap_future(self.router.generate(request, affinity_key))
+            if self.config.deterministic:
+                future = await self._submit_together(request, affinity_key)
+            else:
+                future = self.router.generate(request, affinity_key)
+            return await asyncio.wrap_future(future)
         finally:  # no longer abortable (a long-lived context, the async producer's, keeps no id per sample)
             self._forget(request.request_id)
+
+    async def _submit_together(self, request: GenerationRequest, affinity_key: str | None):
+        """The router's future for `request`, once it and every request made in the same turn of the event loop (a
+        rollout's first requests, all started at once) have gone to the router in one submit, in the order they
+        were made: each engine then takes them all at one step, so its batches, and the numerics of every row in
+        them, are the same run after run (an engine's logits of a row depend on the rows beside it)."""
+        ticket = asyncio.get_running_loop().create_future()
+        if not self._together:
+            asyncio.get_running_loop().call_soon(self._submit_gathered)  # after the tasks already queued
+        self._together.append((request, affinity_key, ticket))
+        return await ticket
+
+    def _submit_gathered(self) -> None:
+        gathered, self._together = self._together, []
+        try:
+            futures = self.router.submit([request for request, _, _ in gathered], [key for _, key, _ in gathered])
+        except Exception as error:  # every request of the turn fails alike
+            for _, _, ticket in gathered:
+                ticket.set_exception(error)
+            return
+        for (_, _, ticket), future in zip(gathered, futures):
+            ticket.set_result(future)
 
     def _forget(self, request_id: str) -> None:
         key = self._request_keys.pop(request_id, None)
