@@ -113,6 +113,19 @@ def test_deterministic_overlapped_runs_repeat_their_metrics_and_weights(tmp_path
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
 
 
+def test_a_deterministic_async_run_resumes_exactly_with_the_rollouts_it_ran_ahead(tmp_path):
+    """A checkpoint of deterministic async holds the L rollouts queued ahead (`pipeline_state["ahead"]`); the run
+    resumed from it logs what the run that went on logged, every metric."""
+    run_pipeline(RolloutRLVRPipeline, tiny(tmp_path / "whole", mode="async", max_staleness=2, deterministic=True))
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
+    assert [ahead["step"] for ahead in load_state(str(checkpoint / PIPELINE_STATE))["ahead"]] == [3, 4]
+    config = tiny(tmp_path / "resumed", mode="async", max_staleness=2, deterministic=True)
+    config.trainer.resume = str(checkpoint)
+    run_pipeline(RolloutRLVRPipeline, config)
+    whole, resumed = run_metrics(str(tmp_path / "whole")), run_metrics(str(tmp_path / "resumed"))
+    assert sorted(resumed) == [3, 4] and resumed[3] == whole[3] and resumed[4] == whole[4]
+
+
 @pytest.mark.ray
 def test_deterministic_async_on_ray_repeats_its_metrics(tmp_path, ray_cluster):
     """The same with the engines in processes of their own, generating beside the actor's."""

@@ -246,7 +246,8 @@ class RolloutRLVRPipeline(Pipeline):
         super().load_pipeline_state(state)
         self.algorithm.load_state_dict(state)
         self.producer.load_state_dict(state["rollouts"])
-        for saved in state.get("ahead", []):
+        legacy = state.get("next_rollout")  # a checkpoint written before `ahead`: the next step's only
+        for saved in state.get("ahead", []) + ([{**legacy, "step": self.global_step + 1}] if legacy else []):
             groups = [[Sample.from_dict(d) for d in g] for g in saved["groups"]]
             self.ahead[saved["step"]] = concurrent.futures.Future()
             self.ahead[saved["step"]].set_result((groups, saved["metrics"], None))  # made training data in its step
