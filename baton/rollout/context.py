@@ -76,7 +76,8 @@ class RolloutContext:
 
     def request_id(self, sample: Sample) -> str:
         """A fresh request id for `sample`; `generate_request` with it can be aborted by `abort([sample])`."""
-        request_id = f"{'eval-' if self.evaluation else ''}g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
+        prefix = "eval-" if self.evaluation else ""  # the trace tells held-out requests from training ones by it
+        request_id = f"{prefix}g{sample.group_index}-s{sample.sample_index}-{next(self._ids)}"
         key = (sample.group_index, sample.sample_index)
         self._request_ids[key], self._request_keys[request_id] = request_id, key
         return request_id

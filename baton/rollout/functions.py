@@ -68,7 +68,8 @@ async def generate_group(args, group: list[Sample], params: SamplingParams) -> l
     environment raised or hung) is taken out of the group and counted (`rollout/num_dropped/failed_samples`);
     a group left with none raises GroupFailed."""
     current = trace.tracer()
-    traced = current is not None and not getattr(args, "evaluation", False) and bool(group) and current.traced(group[0].group_index)
+    traced = (current is not None and not getattr(args, "evaluation", False) and bool(group)
+              and current.traced(group[0].group_index))
     start = time.time()
     await asyncio.gather(*(args.generate(sample, params) for sample in group))
     failed = [sample for sample in group if sample.status == Status.FAILED]

@@ -241,9 +241,9 @@ class RolloutProducer:
         # Each token's staleness is the trained version less its own; the losses and metrics split by it up to the
         # bound (none in sync mode, where every token is fresh).
         batch.meta_info["trained_version"] = trained_version
+        batch.meta_info["max_staleness"] = self.config.max_staleness if self.config.mode != "sync" else 0
         if (current := trace.tracer()) is not None:
             current.batch_made(samples, trained_version)
-        batch.meta_info["max_staleness"] = self.config.max_staleness if self.config.mode != "sync" else 0
         return batch, {"rollout/staleness/mean": float(staleness.mean()), "rollout/staleness/max": float(staleness.max()),
                        "rollout/num_groups": float(len(groups)),
                        "rollout/num_partial_samples": float(sum(s.metadata.get("num_resumes", 0) > 0 for s in samples))}

@@ -338,7 +338,8 @@ def _trace_request(current: trace.Tracer, index: int, entry: _Request, item: Gen
         current.cost_s += time.thread_time() - start - (current.cost_s - counted)
 
 
-def _record_request(current: trace.Tracer, index: int, entry: _Request, item: GenerationResult | RequestFailure) -> None:
+def _record_request(current: trace.Tracer, index: int, entry: _Request,
+                    item: GenerationResult | RequestFailure) -> None:
     sample, group, evaluation = trace.request_sample(entry.request.request_id)
     if not current.traced(group):
         return

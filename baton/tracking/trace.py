@@ -5,14 +5,14 @@ version of its tokens) and what the trainer did meanwhile, as Chrome trace event
 `trainer.trace: true` turns it on (`trainer.trace_every_groups: N` traces one prompt group in N; the trainer's
 phases are traced always). The run directory then holds `trace.events.jsonl`, one event per line, appended every
 step (so a run that dies keeps its trace up to then), and, once the run ends, `trace.json`, the same as one trace
-file (`baton trace RUN` writes it for a run that was killed). Each track is one part of the run as the driver sees it: "driver" (each group's
-generation and reward), "engine <i>" (each request, from its hand-over to the engine to its result), "reward",
-"buffer" (a group from generated to trained) and "trainer" (each step's phases, the weight sync among them). Every
-span of a sample carries its id, "g<group>-s<sample>" (group spans: the group and its samples' ids), and the weight
-versions of its tokens; `baton trace RUN --sample ID` prints one sample's path.
+file (`baton trace RUN` writes it for a run that was killed). Each track is one part of the run as the driver sees
+it: "driver" (each group's generation and reward), "engine <i>" (each request, from its hand-over to the engine to
+its result), "reward", "buffer" (a group from generated to trained) and "trainer" (each step's phases, the weight
+sync among them). Every span of a sample carries its id, "g<group>-s<sample>" (group spans: the group and its
+samples' ids), and the weight versions of its tokens; `baton trace RUN --sample ID` prints one sample's path.
 
-The spans are timed where the driver sees them: an engine's span is its request's time in flight as the router
-saw it, the trainer's are its phases as the pipeline waited for them (a worker's own time inside is not traced).
+The spans are timed where the driver sees them: an engine's span is its request's time in flight as the router saw
+it, the trainer's are its phases as the pipeline waited for them (a worker's own time inside is not traced).
 """
 
 from __future__ import annotations
