@@ -29,6 +29,7 @@ from typing import Iterator
 TRACE_FILE = "trace.json"
 EVENTS_FILE = "trace.events.jsonl"
 _REQUEST_ID = re.compile(r"^(eval-)?g(\d+)-s(\d+)-")
+_KEPT_BATCHES = 16  # batches made ahead and not yet trained that the tracer remembers (more than any lookahead)
 
 _current: "Tracer | None" = None
 
@@ -52,17 +53,23 @@ def request_sample(request_id: str) -> tuple[str | None, int | None, bool]:
     return sample_id(group, sample), group, match.group(1) is not None
 
 
+_nesting = threading.local()  # how deep this thread is in `_costed` methods (a method calling another counts once)
+
+
 def _costed(method):
     """Count the CPU time a `Tracer` method takes in its caller's thread into `cost_s` (what tracing adds to the run;
     CPU, not wall time, which would also count the other threads that hold the interpreter meanwhile)."""
 
     @functools.wraps(method)
     def timed_method(self, *args, **kwargs):
-        start = time.thread_time()
+        depth = getattr(_nesting, "depth", 0)
+        _nesting.depth, start = depth + 1, time.thread_time()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.cost_s += time.thread_time() - start
+            _nesting.depth = depth
+            if depth == 0:
+                self.cost_s += time.thread_time() - start
 
     return timed_method
 
@@ -120,6 +127,8 @@ class Tracer:
         kept = [(s.group_index, s.sample_index, list(s.weight_versions)) for s in samples if self.traced(s.group_index)]
         with self._lock:
             self._batches[trained_version] = kept
+            for old in [v for v in self._batches if v < trained_version - _KEPT_BATCHES]:  # never trained (rollout-only)
+                del self._batches[old]
 
     @_costed
     def train_started(self, step: int, trained_version: int) -> None:
