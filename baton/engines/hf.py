@@ -132,13 +132,10 @@ class HFEngine(ServingLoop):
     def _load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
         """Buckets load one by one; a bucket naming a weight the model lacks raises ValueError, with the buckets
         before it loaded and the version unchanged."""
-        names = set(self.model.state_dict())
+        from baton.strategy.hf import copy_weights
+
         for bucket in buckets:
-            unknown = set(bucket) - names
-            if unknown:
-                raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in the engine's model; the two sides "
-                                 "hold different architectures")
-            self.model.load_state_dict({k: v.to(self.device) for k, v in bucket.items()}, strict=False)
+            copy_weights(self.model, bucket, "the engine's model")
         self._weight_version = version
 
     async def fingerprints(self, names: list[str]) -> dict[str, int]:

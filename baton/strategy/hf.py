@@ -108,6 +108,27 @@ class LossTally:
     metric_sums: dict[str, list[float]] = field(default_factory=dict)
 
 
+def copy_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Copy `state`'s weights (any subset, HF names) into `model`'s own tensors (`where` names it in errors), cast to
+    their dtype and device: what `load_state_dict(strict=False)` does for a plain HF model, without its walk over every
+    module (milliseconds a call, and a streamed weight sync calls this once a bucket). A weight already in place (put
+    together in the model's own tensor) is not copied again."""
+    own = model.state_dict(keep_vars=True)
+    unknown = set(state) - set(own)
+    if unknown:
+        raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in {where}; the two sides hold different "
+                         "architectures")
+    with torch.no_grad():
+        for name, value in state.items():
+            target = own[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"weight {name!r} arrived with shape {tuple(value.shape)}, but {where}'s is "
+                                 f"{tuple(target.shape)}; the two sides hold different architectures")
+            if not (value.data_ptr() == target.data_ptr() and value.dtype == target.dtype
+                    and value.stride() == target.stride()):
+                target.copy_(value)
+
+
 class TorchStrategy:
     """Everything but generation, for a torch model: forward, train_step, weights, checkpoints, offload.
 
@@ -166,22 +187,7 @@ class TorchStrategy:
         return self.hf_model.state_dict() if self.peft_model is None else merged_state_dict(self.hf_model)
 
     def _load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy `state`'s weights (any subset, HF names) into the model's own tensors, cast to their dtype: what
-        `load_state_dict(strict=False)` does for a plain HF model, without its walk over every module (milliseconds a
-        call, and a streamed weight sync calls this once a bucket)."""
-        own = self.hf_model.state_dict(keep_vars=True)
-        unknown = set(state) - set(own)
-        if unknown:
-            raise ValueError(f"weights {sorted(unknown)[:5]} do not exist in this model; the two sides hold different architectures")
-        with torch.no_grad():
-            for name, value in state.items():
-                target = own[name]
-                if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(f"weight {name!r} arrived with shape {tuple(value.shape)}, but this model's is "
-                                     f"{tuple(target.shape)}; the two sides hold different architectures")
-                if not (value.data_ptr() == target.data_ptr() and value.dtype == target.dtype
-                        and value.stride() == target.stride()):  # assembled in place: already there
-                    target.copy_(value)
+        copy_weights(self.hf_model, state, "this model")
 
     def _is_writer(self) -> bool:
         return True
