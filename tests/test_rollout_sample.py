@@ -36,9 +36,8 @@ def test_sample_properties():
     assert second.effective_loss_mask() == [1, 1, 1, 1]
     assert first.oldest_version() == 3  # the env token's -1 does not count
     assert second.oldest_version() == 5
-    assert second.staleness(8) == 3
     empty = Sample(group_index=0, sample_index=0, prompt="p", prompt_ids=[1])
-    assert empty.oldest_version() is None and empty.staleness(8) == 0
+    assert empty.oldest_version() is None
     env_only = Sample(group_index=0, sample_index=0, prompt="p", prompt_ids=[1], response_ids=[4],
                       rollout_log_probs=[0.0], weight_versions=[-1])
     assert env_only.oldest_version() is None

@@ -249,6 +249,8 @@ class RolloutRLVRPipeline(Pipeline):
         legacy = state.get("next_rollout")  # a checkpoint written before `ahead`: the next step's only
         for saved in state.get("ahead", []) + ([{**legacy, "step": self.global_step + 1}] if legacy else []):
             groups = [[Sample.from_dict(d) for d in g] for g in saved["groups"]]
+            for group in groups:  # made training data before the save, and made again in their step
+                self.services.ledger.trained.discard(group[0].group_index)
             self.ahead[saved["step"]] = concurrent.futures.Future()
             self.ahead[saved["step"]].set_result((groups, saved["metrics"], None))  # made training data in its step
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from baton.config.registry import Registry, check_call
 
 MODES = ("sync", "one_step_off", "async")
+STALE_POLICIES = ("drop", "withhold", "pace")  # see baton.rollout.staleness
 
 # The registry of each plug-in setting; the shipped functions are named by import path (imported on first use).
 ROLLOUT_FUNCTIONS = Registry("rollout function", {"generate_rollout": "baton.rollout.functions:generate_rollout",
@@ -44,9 +45,13 @@ class RolloutSystemConfig:
     mode: "sync" generates step N's samples, then trains on them; "one_step_off" generates step N+1's while step N
         trains (its tokens are at most one version old); "async" generates continuously, admitting a prompt group
         only while the samples ahead of it keep it within `max_staleness`.
-    max_staleness: (async) the most policy versions between the weights that sampled a token and the weights that
-        train on it, checked when a group is trained: a group past it is dropped (`rollout/num_dropped/stale`)
-        and its prompt goes back to the buffer.
+    max_staleness: the most policy versions between the weights that sampled a trained token and the weights that
+        train on it (the definition and its enforcement: `baton.rollout.staleness`); async mode admits a group only
+        within it.
+    stale_policy: what becomes of a group that would break the bound: "drop" (its prompt goes back to the buffer,
+        `rollout/num_dropped/stale`), "withhold" (it trains with its stale tokens out of the loss, its rewards kept
+        in the group's baseline) or "pace" (async steps take their groups in the order they were admitted, so none
+        goes stale, and a partial sample too old to resume restarts).
     deterministic: (one_step_off, async) the same seed gives the same samples, metrics and weights run after run
         (one machine, one thread count), generation still overlapping training: step t's groups are generated
         together, in data order, entirely with the weights of version t - 1 - L (L = 1 in one_step_off,
@@ -89,6 +94,7 @@ class RolloutSystemConfig:
 
     mode: str = "sync"
     max_staleness: int = 1
+    stale_policy: str = "drop"
     deterministic: bool = False
     rollout_function: str = "generate_rollout"
     generate_function: str | None = None
@@ -120,8 +126,10 @@ class RolloutSystemConfig:
             raise ValueError(f"rollout_system.mode {self.mode!r} is not one of {MODES}")
         if self.max_staleness < 0:
             raise ValueError(f"rollout_system.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.mode == "async" and self.max_staleness < 1:
-            raise ValueError("rollout_system.mode 'async' with max_staleness 0 cannot overlap generation and "
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"rollout_system.stale_policy {self.stale_policy!r} is not one of {STALE_POLICIES}")
+        if self.mode != "sync" and self.max_staleness < 1:
+            raise ValueError(f"rollout_system.mode {self.mode!r} with max_staleness 0 cannot overlap generation and "
                              "training; use mode 'sync', or max_staleness >= 1")
         if self.deterministic and (self.over_sampling_factor > 1.0 or self.dynamic_filter is not None):
             raise ValueError("rollout_system.deterministic: over-sampling and a dynamic filter keep the groups that "

@@ -16,6 +16,7 @@ from baton.rollout.pool import EnginePool
 from baton.rollout.reward import GroupRewarder
 from baton.rollout.router import Router
 from baton.rollout.sample import Sample
+from baton.rollout.staleness import StalenessLedger
 from baton.strategy import SamplingParams
 from baton.tracking import trace
 
@@ -28,14 +29,18 @@ def load_plugin(name: str | None, what: str) -> Callable | None:
 @dataclass
 class RolloutServices:
     """What every context of one run shares: the engine pool, the reward, the tokenizer, the dataset field SFT trains
-    on (`response_key`, for `sft_rollout`), and `extras`: what a pipeline hands its custom functions (the agentic
-    one: its environments)."""
+    on (`response_key`, for `sft_rollout`), `extras`: what a pipeline hands its custom functions (the agentic one:
+    its environments), and the run's staleness ledger (made from the config)."""
 
     pool: EnginePool
     rewarder: GroupRewarder
     tokenizer: Any
     response_key: str = "response"
     extras: dict[str, Any] = field(default_factory=dict)
+    ledger: StalenessLedger = field(init=False)
+
+    def __post_init__(self):
+        self.ledger = StalenessLedger(self.config.max_staleness, self.config.stale_policy)
 
     @property
     def config(self) -> RolloutSystemConfig:
@@ -46,9 +51,9 @@ class RolloutContext:
     """See the module docstring.
 
     config: the `RolloutSystemConfig`. sampling_params: one sample's sampling (n=1; its seed comes from the sample).
-    num_groups_per_step: the prompt groups a training step takes. metrics: this rollout's counters (reset per
-    rollout), logged with the step. weight_version: the engines' current weights. evaluation: scoring held-out sets
-    (the reward function's own score, no training penalty).
+    num_groups_per_step: the prompt groups a training step takes. ledger: the run's `StalenessLedger`. metrics:
+    this rollout's counters (reset per rollout), logged with the step. weight_version: the engines' current weights.
+    evaluation: scoring held-out sets (the reward function's own score, no training penalty).
     """
 
     def __init__(self, services: RolloutServices, sampling_params: SamplingParams, num_groups_per_step: int,
@@ -66,6 +71,7 @@ class RolloutContext:
         self._request_keys: dict[str, tuple[int, int]] = {}  # and back
         self._together: list = []  # deterministic mode: (request, affinity key, its ticket) made this loop turn
         self.response_key = services.response_key
+        self.ledger = services.ledger
         self.extras = services.extras
         self._generate = load_plugin(self.config.generate_function, "generate_function") or generate_sample
         self._filter = load_plugin(self.config.dynamic_filter, "dynamic_filter")

@@ -99,8 +99,9 @@ def nonzero_reward_std(args, group: list[Sample]) -> tuple[bool, str]:
 
 async def generate_rollout_async(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
     """`args.num_groups_per_step` groups that pass the dynamic filter (see the module docstring). Rollout N is
-    trained by step N, at weight version N - 1: a buffered group staler than that allows goes back as a fresh
-    prompt (`rollout/num_dropped/stale`)."""
+    trained by step N, at weight version N - 1: the staleness ledger (`args.ledger`) settles each group for it (a
+    buffered one staler than the bound allows goes back as a fresh prompt, `rollout/num_dropped/stale`, or has its
+    stale tokens withheld, by `rollout_system.stale_policy`)."""
     config, params = args.config, args.sampling_params
     needed = args.num_groups_per_step
     running: dict[asyncio.Task, list[Sample]] = {}
@@ -114,6 +115,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
         nonlocal started
         groups = data_source.get_samples(max(0, min(count, limit - started)))
         for group in groups:
+            args.ledger.prepare(group, rollout_id - 1)
             running[asyncio.ensure_future(generate_group(args, group, params))] = group
         started += len(groups)
 
@@ -144,10 +146,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
             if len(kept) >= needed:
                 data_source.add_samples([group])  # surplus: finished after the step had enough
                 continue
-            if too_stale(group, rollout_id - 1, config.max_staleness):  # a surplus group of an earlier step
-                for sample in group:
-                    reset_sample(sample, keep_tokens=False)
-                data_source.add_samples([group])
+            _, back = args.ledger.settle([group], rollout_id - 1)  # a surplus group of an earlier step, say
+            if back:
+                data_source.add_samples(back)
                 drops["stale"] += 1
                 continue
             keep, reason = args.keep(group)
@@ -180,11 +181,6 @@ async def abort_groups(args, running: dict[asyncio.Task, list[Sample]], data_sou
                 reset_sample(sample, keep_tokens=args.config.partial_rollout)
         data_source.add_samples([group])
     args.metrics["rollout/num_aborted_groups"] = float(len(running))
-
-
-def too_stale(group: list[Sample], trained_version: int, max_staleness: int) -> bool:
-    """Whether a token of the group was sampled more than `max_staleness` versions before `trained_version`."""
-    return max(sample.staleness(trained_version) for sample in group) > max_staleness
 
 
 def reset_sample(sample: Sample, keep_tokens: bool) -> None:
@@ -239,5 +235,5 @@ def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) ->
 
 
 __all__ = ["GroupFailed", "RolloutStalledError", "abort_groups", "eval_rollout", "eval_rollout_async", "generate_group", "generate_rollout", "generate_rollout_async",
-           "generate_sample", "nonzero_reward_std", "reset_sample", "sft_rollout", "too_stale"]
+           "generate_sample", "nonzero_reward_std", "reset_sample", "sft_rollout"]
 

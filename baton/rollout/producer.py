@@ -5,8 +5,8 @@ Three ways to run beside training (`RolloutSystemConfig.mode`): `generate(rollou
 `run_in_background` (one_step_off: the next step's rollout runs while this one trains), and `start_continuous` /
 `take` (async: groups are generated continuously, each admitted only while the groups ahead of it keep it within
 `max_staleness`, and none while the trainer waits on groups already started; the trainer may take the next step's
-while this one trains). Every group handed to training is checked against `max_staleness` (trained version minus its
-oldest token's version): a group past it is dropped and its prompt goes back to the buffer.
+while this one trains). The run's `StalenessLedger` decides what may start, settles the groups a step takes by the
+stale policy, and checks every training batch (`to_training_data`) against the bound.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from baton.data import DataProto
 from baton.rollout.context import RolloutContext, RolloutServices, load_plugin
 from baton.rollout.data_source import RolloutDataSource
 from baton.rollout.dump import load_rollout, save_rollout
-from baton.rollout.functions import GroupFailed, RolloutStalledError, abort_groups, generate_group, reset_sample, too_stale
+from baton.rollout.functions import GroupFailed, RolloutStalledError, abort_groups, generate_group
 from baton.rollout.reward import RewardTimeout
 from baton.rollout.sample import Sample, samples_to_data
 from baton.strategy import SamplingParams
@@ -40,7 +40,7 @@ class RolloutProducer:
 
     def __init__(self, services: RolloutServices, data_source: RolloutDataSource, sampling_params: SamplingParams,
                  num_groups_per_step: int):
-        self.services, self.pool, self.config = services, services.pool, services.config
+        self.services, self.pool, self.config, self.ledger = services, services.pool, services.config, services.ledger
         self.data_source, self.tokenizer = data_source, services.tokenizer
         self.sampling_params = sampling_params
         self.num_groups_per_step = num_groups_per_step
@@ -54,6 +54,8 @@ class RolloutProducer:
         self._wake: asyncio.Event | None = None
         self._grew: asyncio.Event | None = None  # set when a group is ready (or the producer stops): take again
         self._taking = False  # a step waits in `take`
+        self._admitted: dict[int, int] = {}  # group_index -> admission number, of each group started or ready
+        self._num_admitted = 0
         self._continuous_ctx: RolloutContext | None = None
         self.consumed_steps = 0
         self.pool.on_new_version.append(self._new_weights)
@@ -121,17 +123,24 @@ class RolloutProducer:
         ready, needed = len(self._ready), self.num_groups_per_step
         return ready >= needed or (self.pool.version >= self.consumed_steps and ready + num_running >= needed)
 
-    def _admits(self, ahead: int) -> bool:
-        """Whether a new group, `ahead` groups behind the next batch's start, will be trained within the bound: it
-        is trained by the step that takes batch `ahead // B` from now, at version consumed_steps + ahead // B."""
-        return self.consumed_steps + ahead // self.num_groups_per_step - self.pool.version <= self.config.max_staleness
+    def _planned_version(self, ahead: int) -> int:
+        """The version a new group, `ahead` groups behind the next batch's start, is planned to train: that of the
+        step that takes batch `ahead // B` from now, consumed_steps + ahead // B."""
+        return self.consumed_steps + ahead // self.num_groups_per_step
+
+    def _admit(self, group: list[Sample], planned_version: int) -> None:
+        self.ledger.prepare(group, planned_version)
+        self._admitted[group[0].group_index] = self._num_admitted
+        self._num_admitted += 1
 
     async def _produce(self, ctx: RolloutContext) -> None:
         running: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop_producing.is_set():
             admitted = 0
-            while self._admits(len(self._ready) + len(running)) and not self._step_has_priority(len(running)):
+            while (self.ledger.admits(planned := self._planned_version(len(self._ready) + len(running)), self.pool.version)
+                   and not self._step_has_priority(len(running))):
                 for group in self.data_source.get_samples(1):
+                    self._admit(group, planned)
                     running[asyncio.ensure_future(generate_group(ctx, group, ctx.sampling_params))] = group
                 admitted += 1
                 if admitted % ADMIT_CHUNK == 0:
@@ -144,17 +153,16 @@ class RolloutProducer:
                 group = running.pop(task)
                 try:
                     task.result()
-                except RewardTimeout:
-                    ctx.count_dropped("reward_timeout")
-                    continue
-                except GroupFailed:
-                    ctx.count_dropped("failed_groups")
+                except (RewardTimeout, GroupFailed) as error:
+                    self._admitted.pop(group[0].group_index)
+                    ctx.count_dropped("reward_timeout" if isinstance(error, RewardTimeout) else "failed_groups")
                     continue
                 keep, reason = ctx.keep(group)
                 if keep:
                     self._ready.append(group)
                     self._grew.set()
                 else:
+                    self._admitted.pop(group[0].group_index)
                     ctx.count_dropped(reason)
         await abort_groups(ctx, running, self.data_source)
         self._grew.set()
@@ -165,8 +173,8 @@ class RolloutProducer:
         return groups, {**metrics, **self.pool.router_metrics()}
 
     async def _take(self) -> tuple[list[list[Sample]], dict[str, float]]:
-        """The oldest ready groups first (the fewest go stale); a group staler than the bound for the version it
-        would train at (`consumed_steps`) goes back to the buffer as a fresh prompt."""
+        """The ready groups settled by the ledger for the version they would train (`consumed_steps`), then the
+        oldest first (the fewest go stale), or with the "pace" policy the first admitted, waited for."""
         needed, trained_version = self.num_groups_per_step, self.consumed_steps
         deadline = time.monotonic() + self.config.watchdog_s
         self._taking = True
@@ -178,16 +186,15 @@ class RolloutProducer:
     async def _take_when_ready(self, needed: int, trained_version: int,
                                deadline: float) -> tuple[list[list[Sample]], dict[str, float]]:
         while True:
-            self._ready.sort(key=lambda group: min(s.oldest_version() or 0 for s in group))  # stable: FIFO on ties
-            stale = [g for g in self._ready if too_stale(g, trained_version, self.config.max_staleness)]
+            self._ready, stale = self.ledger.settle(self._ready, trained_version)
             if stale:
-                self._ready = [g for g in self._ready if g not in stale]
-                for sample in (s for g in stale for s in g):
-                    reset_sample(sample, keep_tokens=False)
+                for group in stale:
+                    self._admitted.pop(group[0].group_index)
                 self.data_source.add_samples(stale)
                 self._continuous_ctx.count_dropped("stale", len(stale))
                 self._wake.set()
-            if len(self._ready) >= needed:
+            self._ready = self.ledger.order(self._ready, self._admitted)
+            if self.ledger.has_turn(self._ready, self._admitted, needed):
                 break
             if self._producer.done():
                 self._producer.result()  # its error
@@ -200,6 +207,8 @@ class RolloutProducer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._grew.wait(), max(0.0, min(1.0, deadline - time.monotonic())))
         groups, self._ready = self._ready[:needed], self._ready[needed:]
+        for group in groups:
+            self._admitted.pop(group[0].group_index)
         self.consumed_steps += 1
         self._wake.set()
         ctx = self._continuous_ctx
@@ -221,42 +230,42 @@ class RolloutProducer:
         self._producer = None
         ready, self._ready = self._ready, []
         self.data_source.buffer[:0] = ready
+        self._admitted.clear()
 
     # --- training data ------------------------------------------------------------------------------
 
     def to_training_data(self, groups: list[list[Sample]], trained_version: int,
                          temperature: float) -> tuple[DataProto, dict[str, float]]:
-        """The groups as one training batch, and its staleness metrics. A group staler than `max_staleness` (only a
-        custom rollout function can hand one over: the shipped ones drop them) is refused."""
-        for group in groups:
-            if too_stale(group, trained_version, self.config.max_staleness):
-                raise ValueError(f"{group[0].where()}'s group holds tokens {max(s.staleness(trained_version) for s in group)} "
-                                 f"versions older than the weights it would train (max_staleness="
-                                 f"{self.config.max_staleness}); a rollout function must leave such groups out")
+        """The groups as one training batch, and its staleness metrics. The ledger's gate refuses a trained token
+        over the bound and a group trained before (only a custom rollout function can hand one over)."""
+        self.ledger.check(groups, trained_version)
         # In the data's order, not the order the engines finished in: mini-batches split the batch alike run to run.
         groups = sorted(groups, key=lambda group: group[0].group_index)
         samples = [sample for group in groups for sample in sorted(group, key=lambda s: s.sample_index)]
-        staleness = np.array([s.staleness(trained_version) for s in samples])
+        staleness = np.array([self.ledger.staleness([s], trained_version) for s in samples])
         batch = samples_to_data(samples, self.tokenizer.pad_token_id, temperature)
         # Each token's staleness is the trained version less its own; the losses and metrics split by it up to the
         # bound (none in sync mode, where every token is fresh).
         batch.meta_info["trained_version"] = trained_version
         batch.meta_info["max_staleness"] = self.config.max_staleness if self.config.mode != "sync" else 0
         if (current := trace.tracer()) is not None:
-            current.batch_made(samples, trained_version)
+            current.batch_made(samples, trained_version, staleness)
         return batch, {"rollout/staleness/mean": float(staleness.mean()), "rollout/staleness/max": float(staleness.max()),
                        "rollout/num_groups": float(len(groups)),
-                       "rollout/num_partial_samples": float(sum(s.metadata.get("num_resumes", 0) > 0 for s in samples))}
+                       "rollout/num_partial_samples": float(sum(s.metadata.get("num_resumes", 0) > 0 for s in samples)),
+                       **self.ledger.metrics()}
 
     # --- state and shutdown -------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"data_source": self.data_source.state_dict(), "version": self.pool.version,
-                "consumed_steps": self.consumed_steps}
+                "consumed_steps": self.consumed_steps, "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.data_source.load_state_dict(state["data_source"])
         self.pool.version, self.consumed_steps = state["version"], state["consumed_steps"]
+        if "ledger" in state:  # a checkpoint written before the ledger has none
+            self.ledger.load_state_dict(state["ledger"])
 
     def close(self) -> None:
         self.stop_continuous()

@@ -97,11 +97,6 @@ class Sample:
         versions = [v for v in self.weight_versions if v >= 0]
         return min(versions) if versions else None
 
-    def staleness(self, trained_version: int) -> int:
-        """How many versions its oldest token lags `trained_version`; 0 when the model wrote no token."""
-        oldest = self.oldest_version()
-        return 0 if oldest is None else trained_version - oldest
-
     def score(self, reward_key: str = "score") -> float:
         """The scalar reward: `reward` itself if a number, `reward[reward_key]` if a dict."""
         reward = self.reward

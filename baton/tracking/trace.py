@@ -122,9 +122,11 @@ class Tracer:
                 self._ready[group_index] = time.time()
 
     @_costed
-    def batch_made(self, samples, trained_version: int) -> None:
-        """`samples` (rollout `Sample`s) make the batch that trains weight version `trained_version`."""
-        kept = [(s.group_index, s.sample_index, list(s.weight_versions)) for s in samples if self.traced(s.group_index)]
+    def batch_made(self, samples, trained_version: int, staleness) -> None:
+        """`samples` (rollout `Sample`s) make the batch that trains weight version `trained_version`; `staleness`: each
+        sample's, as the staleness ledger measures it."""
+        kept = [(s.group_index, s.sample_index, list(s.weight_versions), int(stale))
+                for s, stale in zip(samples, staleness) if self.traced(s.group_index)]
         with self._lock:
             self._batches[trained_version] = kept
             for old in [v for v in self._batches if v < trained_version - _KEPT_BATCHES]:  # never trained (rollout-only)
@@ -138,20 +140,20 @@ class Tracer:
         now = time.time()
         with self._lock:
             batch = self._batches.pop(trained_version, [])
-        groups: dict[int, list[tuple[int, list[int]]]] = {}
-        for group, sample, versions in batch:
-            groups.setdefault(group, []).append((sample, [v for v in versions if v >= 0]))
+        groups: dict[int, list[tuple[int, list[int], int]]] = {}
+        for group, sample, versions, stale in batch:
+            groups.setdefault(group, []).append((sample, [v for v in versions if v >= 0], stale))
         trainer = self._track("trainer")
         for group, samples in groups.items():
             with self._lock:
                 at = self._ready.pop(group, None)
-            ids = [sample_id(group, sample) for sample, _ in samples]
+            ids = [sample_id(group, sample) for sample, _, _ in samples]
             if at is not None:
                 self.span("buffer", "buffered", at, now, group=group, samples=ids, step=step)
             self._add({"ph": "i", "s": "t", "name": "train", "pid": trainer, "tid": 0, "ts": round(now * 1e6),
                        "args": {"group": group, "samples": ids, "step": step, "trained_version": trained_version,
-                                "versions": [[min(made), max(made)] if made else [] for _, made in samples],
-                                "staleness": [trained_version - min(made) if made else 0 for _, made in samples]}})
+                                "versions": [[min(made), max(made)] if made else [] for _, made, _ in samples],
+                                "staleness": [stale for _, _, stale in samples]}})
 
     # --- files ---------------------------------------------------------------------------------------
 
