@@ -43,12 +43,20 @@ torch forward/backward takes on the trainer's core while another process runs to
 is above 1, the cores share their vector units or memory path, the update runs slower beside generation than alone,
 and an overlapped step's train (printed over the sync run's) is longer than the sync run's max(gen, train).
 
+`--long-traces` is the setting where responses are long and their lengths vary 10× within a batch, as reasoning
+traces do: each sample's budget is `LONG_TRACE_MIN_TOKENS` times 1 to 10 (by its seed), eos ignored, so a step's
+groups finish far apart and the long ones meet weight updates on the way. It runs sync and free-running async under
+each stale policy (`rollout_system.stale_policy`: drop, withhold, pace; partial rollouts on) and prints, beside the
+speed-up, what each policy did: groups sent back per step, tokens withheld from the loss, and the trained responses'
+mean length against sync's (dropping skews training toward short responses; withholding and pacing do not). Its
+responses are not answers (eos ignored): accuracy is not its figure.
+
 `--quick` is a smoke run (a 10-step SFT checkpoint, one seed, 3 steps of 4 prompts, one contention timing): its
 figures are not the bench's.
 
     .venv/bin/python bench/rollout.py [--quick] [--steps 12] [--seeds 0 1 2] [--run-dir runs/bench_rollout]
                                       [--sft-checkpoint PATH] [--fresh] [--no-trim-padding] [--probe-every-syncs N]
-                                      [--no-pin]
+                                      [--no-pin] [--long-traces]
                                       [--json /tmp/rollout.json]
                                       [--check]
 """
@@ -84,11 +92,13 @@ from baton.pipelines.run_dir import checkpoint_path, list_checkpoints
 from baton.pipelines.sft import SFTPipeline
 from baton.recipes.demo import DemoConfig, from_checkpoint
 from baton.recipes.rollout_demo import rlvr_default
-from baton.rollout.config import RolloutSystemConfig
+from baton.rollout.config import STALE_POLICIES, RolloutSystemConfig
+from baton.rollout.functions import generate_sample
 from baton.tracking import read_metrics
 
 MODES = ("sync", "one_step_off", "async", "one_step_off_deterministic", "async_deterministic")
 OVERLAPPED = MODES[1:]
+LONG_TRACE_MODES = ("sync", "async", "async_withhold", "async_pace")
 NUM_RAY_CPUS = 2
 TRAINER_CORES, ENGINE_CORES = [0], [1]  # the driver's threads go on the engine's core
 
@@ -107,6 +117,9 @@ NUM_MINI_BATCHES_PER_STEP = 1
 MICRO_BATCH_SIZE = 128
 LR = 1e-4
 POLL_S = 0.02  # how long one poll of the engine collects results (rollout_system.poll_s)
+
+LONG_TRACE_MIN_TOKENS = 4  # --long-traces: each sample's budget is 1 to 10 times this
+LONG_TRACE_NUM_PROMPTS_PER_STEP, LONG_TRACE_SAMPLES_PER_PROMPT = 16, 8
 
 TARGET_SPEEDUP = 1.3  # sync s/step ÷ mode s/step
 TARGET_ACCURACY_POINTS = 3.0  # |mode accuracy − sync accuracy|
@@ -133,8 +146,16 @@ def sft_checkpoint(run_dir: str, fresh: bool, num_steps: int) -> str:
     return os.path.abspath(final)
 
 
+async def long_trace_sample(args, sample, params):
+    """(--long-traces, the rollout system's generate function) One sample's response of `LONG_TRACE_MIN_TOKENS` × 1 to
+    10 tokens (by its seed), eos ignored."""
+    budget = LONG_TRACE_MIN_TOKENS * (1 + (sample.seed or 0) % 10)
+    return await generate_sample(args, sample, dataclasses.replace(params, max_new_tokens=budget, stop_token_ids=()))
+
+
 def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int,
-                seed: int, trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True) -> RolloutRLVRConfig:
+                seed: int, trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True,
+                long_traces: bool = False) -> RolloutRLVRConfig:
     """The demo's GRPO stage on the rollout system in `mode`, from `checkpoint`, with the bench's batch and update."""
     base = rlvr_default()
     trainer = dataclasses.replace(
@@ -151,19 +172,27 @@ def grpo_config(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_pr
                                   strategy=dataclasses.replace(rollout.strategy, seed=seed))
     algorithm = dataclasses.replace(base.algorithm, num_ppo_epochs=NUM_PPO_EPOCHS,
                                     num_mini_batches_per_step=NUM_MINI_BATCHES_PER_STEP)
-    return dataclasses.replace(
-        base, actor=actor, rollout=rollout, data=DemoConfig().data, trainer=trainer, algorithm=algorithm,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, num_samples_per_prompt=SAMPLES_PER_PROMPT),
-        rollout_system=rollout_system(mode, probe_every_syncs))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, num_samples_per_prompt=SAMPLES_PER_PROMPT)
+    system = rollout_system(mode, probe_every_syncs)
+    if long_traces:
+        sampling = dataclasses.replace(sampling, max_new_tokens=10 * LONG_TRACE_MIN_TOKENS,
+                                       num_samples_per_prompt=LONG_TRACE_SAMPLES_PER_PROMPT)
+        system = dataclasses.replace(system, generate_function="rollout:long_trace_sample", partial_rollout=True)
+    return dataclasses.replace(base, actor=actor, rollout=rollout, data=DemoConfig().data, trainer=trainer,
+                               algorithm=algorithm, sampling=sampling, rollout_system=system)
 
 
 def rollout_system(mode: str, probe_every_syncs: int) -> RolloutSystemConfig:
-    """A bench mode's settings: "<mode>" free-running, "<mode>_deterministic" in deterministic mode."""
+    """A bench mode's settings: "<mode>" free-running, "<mode>_deterministic" in deterministic mode, "async_<policy>"
+    free-running with that stale policy."""
     deterministic = mode.endswith("_deterministic")
-    mode = mode.removesuffix("_deterministic")
+    mode, policy = mode.removesuffix("_deterministic"), "drop"
+    for name in STALE_POLICIES:
+        if mode.endswith(f"_{name}"):
+            mode, policy = mode.removesuffix(f"_{name}"), name
     staleness = MAX_STALENESS_DETERMINISTIC_ASYNC if deterministic and mode == "async" else MAX_STALENESS
     return RolloutSystemConfig(mode=mode, max_staleness=staleness, deterministic=deterministic, poll_s=POLL_S,
-                               probe_every_syncs=probe_every_syncs)
+                               probe_every_syncs=probe_every_syncs, stale_policy=policy)
 
 
 class CpuMeter:
@@ -223,12 +252,12 @@ class CpuMeter:
 
 
 def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_prompts_per_step: int, seed: int,
-             trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True) -> dict:
+             trim_padding: bool = True, probe_every_syncs: int = 1, pin: bool = True, long_traces: bool = False) -> dict:
     """One GRPO run; its step split (medians over the steps after the warm-up), the CPU seconds a step used (all
-    processes), accuracies and wall time."""
+    processes), accuracies, wall time, and what the stale policy did."""
     start = time.perf_counter()
     config = grpo_config(mode, checkpoint, run_dir, num_steps, num_prompts_per_step, seed, trim_padding,
-                         probe_every_syncs, pin)
+                         probe_every_syncs, pin, long_traces)
     with contextlib.suppress(FileNotFoundError):  # the meter counts this run's steps only (overwrite=True)
         os.remove(os.path.join(run_dir, "metrics.jsonl"))
     with CpuMeter(os.path.join(run_dir, "metrics.jsonl")) as meter:
@@ -244,6 +273,11 @@ def run_mode(mode: str, checkpoint: str, run_dir: str, num_steps: int, num_promp
             "start_accuracy": summary["start_val_accuracy"], "accuracy": summary["final_val_accuracy"],
             "final_reward": summary.get("final_reward"), "wall_s": wall_s,
             "step_times_s": [r["timing_s/step"] for r in records], "gen_times_s": [r["timing_s/gen"] for r in records],
+            "stale_groups_per_step": statistics.mean(r.get("rollout/num_dropped/stale", 0.0) for r in records),
+            "withheld_tokens": records[-1].get("rollout/staleness/withheld_tokens", 0.0),
+            "restarted_samples": records[-1].get("rollout/staleness/restarted_samples", 0.0),
+            "staleness_max": max(r["rollout/staleness/max"] for r in records),
+            "response_length": statistics.mean(r["response_length/mean"] for r in records),
             "stages_s": {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0.0) for r in timed)
                          for k in records[0] if k.startswith("timing_s/")}}
 
@@ -289,6 +323,33 @@ def core_contention(core: int, other_core: int, num_reps: int) -> float:
     return statistics.median(beside) / statistics.median(alone)
 
 
+def long_trace_figures(runs: list[dict], num_steps: int, num_prompts_per_step: int, seeds: list[int]) -> dict:
+    """--long-traces: per mode its median s/step and speed-up over sync, and what its stale policy did (medians over
+    seeds); printed as a table."""
+    per_mode = {}
+    for mode in LONG_TRACE_MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        per_mode[mode] = {key: statistics.median(r[key] for r in mine) for key in (
+            "step_s", "gen_s", "stale_groups_per_step", "withheld_tokens", "restarted_samples", "response_length")}
+        per_mode[mode]["staleness_max"] = max(r["staleness_max"] for r in mine)
+    sync = per_mode["sync"]
+    print(f"\n{'mode':>16}  {'s/step':>7}  {'speedup':>7}  {'gen s':>6}  {'stale groups/step':>17}  {'withheld tok':>12}  "
+          f"{'restarted':>9}  {'resp len':>8}  {'vs sync':>7}  {'max stale':>9}")
+    for mode, m in per_mode.items():
+        m["speedup"], m["length_over_sync"] = sync["step_s"] / m["step_s"], m["response_length"] / sync["response_length"]
+        print(f"{mode:>16}  {m['step_s']:>7.2f}  {m['speedup']:>6.2f}×  {m['gen_s']:>6.2f}  {m['stale_groups_per_step']:>17.2f}  "
+              f"{m['withheld_tokens']:>12.0f}  {m['restarted_samples']:>9.0f}  {m['response_length']:>8.1f}  "
+              f"{m['length_over_sync']:>6.2f}×  {m['staleness_max']:>9.0f}")
+    print(f"(medians over steps {NUM_WARMUP_STEPS + 1}–{num_steps} and over seeds {seeds}; stale groups/step: sent back "
+          "by the drop policy; withheld tok, restarted: the whole run's; resp len: the trained responses' mean length)")
+    return {"modes": per_mode, "runs": runs, "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step,
+            "samples_per_prompt": LONG_TRACE_SAMPLES_PER_PROMPT, "min_tokens": LONG_TRACE_MIN_TOKENS,
+            "max_staleness": MAX_STALENESS, "seeds": seeds,
+            "passed": {"bound_kept": all(m["staleness_max"] <= MAX_STALENESS for m in per_mode.values()),
+                       "withhold_and_pace_send_none_back": all(per_mode[mode]["stale_groups_per_step"] == 0
+                                                               for mode in ("async_withhold", "async_pace"))}}
+
+
 def load_average() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip().split("load average:")[-1].strip()
 
@@ -311,9 +372,16 @@ def main() -> int:
                              "sync (default 1, every sync, as the library's default)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="leave the trainer, the engine and the driver wherever the OS puts them")
+    parser.add_argument("--long-traces", action="store_true",
+                        help="responses 1 to 10 times LONG_TRACE_MIN_TOKENS long, eos ignored; sync and async under "
+                             "each stale policy")
     args = parser.parse_args()
     num_steps = args.steps or (NUM_STEPS_QUICK if args.quick else NUM_STEPS)
-    num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else NUM_PROMPTS_PER_STEP
+    num_prompts_per_step = NUM_PROMPTS_PER_STEP_QUICK if args.quick else \
+        LONG_TRACE_NUM_PROMPTS_PER_STEP if args.long_traces else NUM_PROMPTS_PER_STEP
+    modes = LONG_TRACE_MODES if args.long_traces else MODES
+    samples_per_prompt, max_new_tokens = (LONG_TRACE_SAMPLES_PER_PROMPT, 10 * LONG_TRACE_MIN_TOKENS) \
+        if args.long_traces else (SAMPLES_PER_PROMPT, MAX_NEW_TOKENS)
     args.seeds = args.seeds or (SEEDS_QUICK if args.quick else SEEDS)
     sft_steps = args.sft_steps or (SFT_STEPS_QUICK if args.quick else SFT_STEPS)
     if num_steps <= NUM_WARMUP_STEPS:
@@ -326,8 +394,8 @@ def main() -> int:
     torch.set_num_threads(1)  # the driver of the GRPO runs stays light
     contention = core_contention(TRAINER_CORES[0], ENGINE_CORES[0], CONTENTION_REPS_QUICK if args.quick else
                                  CONTENTION_REPS) if args.pin else None
-    print(f"GRPO from {checkpoint}: {num_steps} steps × {num_prompts_per_step} prompts × {SAMPLES_PER_PROMPT} samples "
-          f"(≤ {MAX_NEW_TOKENS} tokens) per mode, seeds {args.seeds}; actor and engine in separate Ray workers, "
+    print(f"GRPO from {checkpoint}: {num_steps} steps × {num_prompts_per_step} prompts × {samples_per_prompt} samples "
+          f"(≤ {max_new_tokens} tokens) per mode, seeds {args.seeds}; actor and engine in separate Ray workers, "
           f"1 torch thread each, {NUM_RAY_CPUS} Ray CPUs, {os.cpu_count()} cores"
           f"{f' (actor on core {TRAINER_CORES}, engine and driver on {ENGINE_CORES})' if args.pin else ', unpinned'}; "
           f"load average {load_start}", flush=True)
@@ -338,13 +406,19 @@ def main() -> int:
         for index, seed in enumerate(args.seeds):
             # Each seed runs the modes in another order (rotated by one), so that no mode always has the same
             # place in the hour: this machine's speed drifts by up to a third from one minute to the next.
-            for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:
+            for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
                 run = run_mode(mode, checkpoint, os.path.join(args.run_dir, f"seed_{seed}", mode), num_steps,
-                               num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs, args.pin)
+                               num_prompts_per_step, seed, args.trim_padding, args.probe_every_syncs, args.pin,
+                               args.long_traces)
                 runs.append(run)
                 print(f"  seed {seed} {mode:>26}: {run['step_s']:.2f} s/step, accuracy {run['accuracy']:.1%}, "
                       f"{run['wall_s']:.0f} s, load average {load_average()}", flush=True)
     load_end = load_average()
+    if args.long_traces:
+        figures = long_trace_figures(runs, num_steps, num_prompts_per_step, args.seeds)
+        figures.update(quick=args.quick, checkpoint=checkpoint, pinned=args.pin, num_cpus=os.cpu_count(),
+                       core_contention=contention, load_average_start=load_start, load_average_end=load_end)
+        return finish(figures, args.json, args.check)
 
     def median_of(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["mode"] == mode)

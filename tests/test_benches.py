@@ -190,6 +190,21 @@ def test_rollout_bench_runs_every_mode(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(TIMEOUT_S + 60)
+def test_rollout_bench_runs_long_traces_under_each_stale_policy(tmp_path):
+    figures = run_bench("rollout", tmp_path, "--run-dir", str(tmp_path / "run"), "--long-traces")
+    has_keys(figures, "modes", "runs", "passed", "min_tokens", "max_staleness")
+    assert set(figures["modes"]) == {"sync", "async", "async_withhold", "async_pace"}
+    for mode in figures["modes"].values():
+        has_keys(mode, "step_s", "speedup", "stale_groups_per_step", "withheld_tokens", "restarted_samples",
+                 "response_length", "length_over_sync", "staleness_max")
+        assert mode["staleness_max"] <= figures["max_staleness"]
+    # Budgets of 1 to 10 times min_tokens, eos ignored: the responses are longer than the shortest budget.
+    assert figures["modes"]["sync"]["response_length"] > figures["min_tokens"]
+    assert set(figures["passed"]) == {"bound_kept", "withhold_and_pace_send_none_back"}
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_dag_bench(tmp_path):
     figures = run_bench("dag", tmp_path, "--run-dir", str(tmp_path / "run"))
     has_keys(figures, "single_controller_ratio", "parallel_branch_ratio", "branches_s", "step_s", "driver_rss_bytes",
