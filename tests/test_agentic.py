@@ -5,21 +5,31 @@ for two steps, also with episodes whose environment hangs."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import random
+import types
 
 import pytest
+import torch
 
 from baton.agentic import CalculatorEnv, EnvError, EnvPool, GuessNumberEnv, generate_trajectory
 from baton.agentic.env import evaluate_arithmetic
 from baton.agentic.rollout import AgenticSettings
-from baton.engines.protocol import GenerationResult
+from baton.config import ConfigError
+from baton.engines.protocol import GenerationRequest, GenerationResult
 from baton.models import load_tokenizer
 from baton.pipelines.agentic import AgenticConfig, AgenticPipeline
 from baton.pipelines.base import run_pipeline
 from baton.pipelines.config import RoleConfig, SamplingConfig, TrainerConfig
 from baton.rollout import Sample, Status
 from baton.rollout.config import RolloutSystemConfig
+from baton.rollout.context import RolloutContext, RolloutServices
+from baton.rollout.functions import reset_sample
 from baton.strategy import SamplingParams, StrategyConfig
 from baton.tracking import run_metrics
+from conftest import wait_until
 
 THIS = "test_agentic"  # tests/ is on sys.path: functions here are importable by path
 ENVS = "agentic_envs"  # tests/ is on sys.path: its misbehaving environments are importable by path
@@ -116,9 +126,10 @@ def test_the_pool_bounds_the_wait_for_a_free_process_and_refuses_a_bad_path():
 class ScriptedArgs:
     """What `generate_trajectory` uses of a RolloutContext, with an engine that answers with scripted turns."""
 
-    def __init__(self, turns: list[str], pool: EnvPool, settings: AgenticSettings):
+    def __init__(self, turns: list[str], pool: EnvPool, settings: AgenticSettings, partial_rollout: bool = False):
         self.tokenizer = load_tokenizer(None)
         self.extras = {"agentic": settings, "env_pool": pool}
+        self.config = RolloutSystemConfig(partial_rollout=partial_rollout)
         self.turns, self.requests = list(turns), []
 
     def request_id(self, sample: Sample) -> str:
@@ -126,8 +137,10 @@ class ScriptedArgs:
 
     async def generate_request(self, request, affinity_key=None) -> GenerationResult:
         self.requests.append((request, affinity_key))
-        ids = tuple(self.tokenizer(self.turns.pop(0), add_special_tokens=False)["input_ids"])
-        return GenerationResult(request.request_id, ids, tuple([-0.5] * len(ids)), tuple([7] * len(ids)), 7, "stop")
+        turn = self.turns.pop(0)  # "abort: <text>": the engine was aborted with that much of the turn made
+        reason, turn = ("abort", turn.removeprefix("abort: ")) if turn.startswith("abort: ") else ("stop", turn)
+        ids = tuple(self.tokenizer(turn, add_special_tokens=False)["input_ids"])
+        return GenerationResult(request.request_id, ids, tuple([-0.5] * len(ids)), tuple([7] * len(ids)), 7, reason)
 
 
 def test_a_trajectory_masks_exactly_the_environments_tokens():
@@ -160,6 +173,36 @@ def test_a_trajectory_masks_exactly_the_environments_tokens():
     assert key == same_key and first.params.seed == 5 and second.params.seed == 6
     newline = args.tokenizer("\n", add_special_tokens=False)["input_ids"][0]
     assert first.params.stop_token_ids == (newline, args.tokenizer.eos_token_id)  # a turn ends at its newline
+
+
+@pytest.mark.parametrize("env,saves", [("CountingEnv", True), ("ForgetfulCountingEnv", False)])
+def test_an_aborted_episode_continues_from_its_next_turn_where_its_environment_saves_its_state(env, saves):
+    settings = AgenticSettings(env=f"{ENVS}:{env}", max_turns=5)
+    pool = EnvPool(f"{ENVS}:{env}", num_processes=1)
+    try:
+        args = ScriptedArgs(["a\n", "ab"], pool, settings, partial_rollout=True)  # cut short in its second turn
+        prompt_ids = args.tokenizer("count\n", add_special_tokens=False)["input_ids"]
+        args.turns[1] = "abort: ab"
+        sample = Sample(0, 0, "count\n", prompt_ids, seed=5, metadata={"env_seed": 3})
+        sample = asyncio.run(generate_trajectory(args, sample, SamplingParams()))
+        assert sample.status == Status.ABORTED
+        reset_sample(sample, keep_tokens=True)  # as the abort leaves it in the buffer, and a checkpoint saves it
+        sample = Sample.from_dict(json.loads(json.dumps(sample.to_dict())))
+        args.turns, args.requests = ["b\n", "c\n", "d\n"], []
+        sample = asyncio.run(generate_trajectory(args, sample, SamplingParams()))
+    finally:
+        pool.close_pool()
+    assert sample.status == Status.COMPLETED and "partial_state" not in sample.metadata
+    if saves:  # the first turn and its answer kept; the second played again (same seed), the count restored
+        assert sample.response == "a\nseen 1\nb\nseen 2\nc\n"
+        assert [request.params.seed for request, _ in args.requests] == [6, 7]
+        assert sample.metadata["trajectory_reward"] == {"score": 1.0, "turns": 3.0, "success": 1.0}
+    else:  # played again from the start
+        assert sample.response == "b\nseen 1\nc\nseen 2\nd\n"
+        assert [request.params.seed for request, _ in args.requests] == [5, 6, 7]
+    assert sample.loss_mask == [0 if piece.startswith("seen") else 1 for piece in sample.response.splitlines(True)
+                                for _ in piece]
+    sample.check()
 
 
 def test_the_turn_limit_and_the_token_budget_truncate():
@@ -242,3 +285,126 @@ def test_episodes_whose_environment_raises_or_hangs_are_dropped_not_the_step(tmp
     assert record["rollout/num_dropped/failed_samples"] == len(failed)
     assert record["rollout/num_dropped/failed_groups"] == len(failed) / 2
     assert record["rollout/num_groups"] == 4 and "actor/pg_loss" in record
+
+
+def test_deterministic_async_episodes_repeat_and_resume_exactly(tmp_path):
+    """rollout_system.deterministic with multi-turn episodes whose environments answer after random delays: each
+    turn of a rollout's episodes goes to the engines in one batch once every episode has its environment's answer
+    (lockstep), so two runs of one seed log the same
+    metrics and end with the same weights, and a run resumed from the checkpoint of step 2 (the rollouts it ran
+    ahead, episodes included) logs what the run that went on logged."""
+    from safetensors.torch import load_file
+
+    def config(name: str) -> AgenticConfig:
+        made = tiny(tmp_path / name, num_steps=4, env=f"{ENVS}:JitteryLuckyGuessEnv")
+        made.rollout_system = dataclasses.replace(made.rollout_system, mode="async", max_staleness=2, deterministic=True)
+        made.trainer.save_every_steps = 2
+        return made
+
+    for name in ("first", "second"):
+        run_pipeline(AgenticPipeline, config(name))
+    resumed = config("resumed")
+    resumed.trainer.resume = str(tmp_path / "first" / "checkpoints" / "step_2")
+    run_pipeline(AgenticPipeline, resumed)
+    first, second = run_metrics(str(tmp_path / "first")), run_metrics(str(tmp_path / "second"))
+    assert first == second and len({first[step]["agentic/turns/mean"] for step in (1, 2, 3, 4)}) > 1
+    assert run_metrics(str(tmp_path / "resumed")) == {step: first[step] for step in (3, 4)}
+    weights = [load_file(tmp_path / name / "checkpoints" / "step_4" / "actor" / "model.safetensors")
+               for name in ("first", "second", "resumed")]
+    assert all(torch.equal(weights[0][key], other[key]) for other in weights[1:] for key in weights[0])
+
+
+def test_deterministic_episodes_must_fit_the_environments_at_once(tmp_path):
+    config = tiny(tmp_path, num_env_processes=1, episodes_per_env_process=4)
+    config.rollout_system = dataclasses.replace(config.rollout_system, deterministic=True, mode="one_step_off")
+    with pytest.raises(ConfigError, match=r"plays a rollout's 8 episodes in lockstep, but the environments hold 4"):
+        config.check()
+
+
+class RecordingRouter:
+    """A router that answers every request at once with one token, recording each submit's requests by sample."""
+
+    def __init__(self):
+        self.submits: list[list[tuple[int, int]]] = []
+
+    def submit(self, requests, affinity_keys=None):
+        self.submits.append([tuple(int(part[1:]) for part in r.request_id.split("-")[:2]) for r in requests])
+        futures = []
+        for request in requests:
+            futures.append(concurrent.futures.Future())
+            futures[-1].set_result(GenerationResult(request.request_id, (5,), (-1.0,), (0,), 0, "stop"))
+        return futures
+
+
+async def jittery_turns(args, sample: Sample, params: SamplingParams) -> Sample:
+    """1 to 3 turns (by group), each after a random 0–10 ms wait (unseeded), as environments answer."""
+    for turn in range(1 + sample.group_index % 3):
+        await asyncio.sleep(random.SystemRandom().uniform(0.0, 0.01))
+        await args.generate_request(GenerationRequest(args.request_id(sample), (1,), params))
+    return sample
+
+
+def test_deterministic_mode_batches_each_turn_of_every_episode_together():
+    """Lockstep, as a router sees it: the first turns of all 12 samples in one submit, then the second turns of
+    the 8 still playing, then the third turns of 4, each sorted by sample, however the waits between turns fall."""
+    router = RecordingRouter()
+    config = RolloutSystemConfig(deterministic=True, mode="one_step_off", generate_function=f"{THIS}:jittery_turns")
+    pool = types.SimpleNamespace(router=router, config=config, version=0)
+    services = RolloutServices(pool, rewarder=None, tokenizer=None)
+    ctx = RolloutContext(services, SamplingParams(), num_groups_per_step=6)
+    samples = [Sample(group, index, "p", [1]) for group in range(6) for index in range(2)]
+
+    async def play():
+        await asyncio.gather(*(ctx.generate(sample, SamplingParams()) for sample in reversed(samples)))
+
+    asyncio.run(play())
+    by_turns = [[(s.group_index, s.sample_index) for s in samples if s.group_index % 3 >= turn] for turn in range(3)]
+    assert router.submits == by_turns
+
+
+RESUMED: list[tuple[str, Sample]] = []  # (the partial response it was drawn with, the sample played to its end)
+
+
+async def resumable_trajectory(args, sample: Sample, params: SamplingParams) -> Sample:
+    """The shipped generate function, each training episode that continued a partial one recorded."""
+    before = sample.response if sample.metadata.get("partial_state") else None
+    sample = await generate_trajectory(args, sample, params)
+    if before is not None and not args.evaluation:
+        RESUMED.append((before, sample))
+    return sample
+
+
+def test_episodes_cut_short_by_a_stop_are_saved_with_their_environments_and_continue(tmp_path):
+    """Async agentic with partial rollouts: the producer stops (as it does for a checkpoint) while its episodes wait
+    on their environments after one turn; its state, as a checkpoint holds it, keeps each episode's turn and its
+    environment's state (the count so far), and the episodes drawn from it again play on from there, not from the
+    start: the count goes on, 3 turns in all."""
+    RESUMED.clear()
+    config = tiny(tmp_path, num_steps=1, env=f"{ENVS}:SlowCountingEnv", max_turns=4, max_tokens_per_turn=2,
+                  num_val_episodes=0)
+    config.rollout_system = dataclasses.replace(config.rollout_system, mode="async", max_staleness=1,
+                                                partial_rollout=True, generate_function=f"{THIS}:resumable_trajectory")
+    pipeline = AgenticPipeline(config)
+    try:
+        producer = pipeline.producer
+        producer.start_continuous()  # 16 episodes: 2 steps' 4 groups of 2, within the bound
+        wait_until(lambda: pipeline.pool.router.metrics()["router/engine_0/served"] >= 16,
+                   "every episode's first turn", timeout_s=120)
+        producer.stop_continuous()  # each waits 1 s on its environment: aborted at its next request
+        state = json.loads(json.dumps(producer.state_dict()))
+        partial = [Sample.from_dict(d) for group in state["data_source"]["buffer"] for d in group
+                   if d["metadata"].get("partial_state")]
+        producer.load_state_dict(state)
+        groups, _ = producer.generate(rollout_id=1)  # the buffer's first
+    finally:
+        pipeline.shutdown()
+    assert len(partial) == 16
+    for sample in partial:
+        assert sample.metadata["partial_state"] == {"rewards": [0.0], "env_state": {"seen": 1}}
+        assert sample.response.endswith("seen 1\n") and sample.status == Status.PENDING
+    assert len(RESUMED) == 8 and {before for before, _ in RESUMED} <= {s.response for s in partial}
+    for before, sample in RESUMED:
+        assert sample.response.startswith(before) and sample.response.count("seen") == 2
+        assert sample.metadata["trajectory_reward"]["turns"] == 3.0 and sample.status == Status.COMPLETED
+    first = [group[0]["group_index"] for group in state["data_source"]["buffer"][:4]]
+    assert sorted(group[0].group_index for group in groups) == sorted(first)  # the rollout drew them first

@@ -2,7 +2,11 @@
 
 An environment is a plain object: `reset(seed) -> observation` starts an episode (the same seed, the same episode),
 `step(action) -> (observation, reward, done, info)` answers one model turn. Observations are text the model reads
-next; a turn's reward is a number (the trajectory's reward sums them). Environments run in processes of their own
+next; a turn's reward is a number (the trajectory's reward sums them). An environment that can save an episode in
+the middle also has `state_dict() -> dict` (JSON-safe: numbers, strings, lists, dicts) and `load_state_dict(state)`
+(called after `reset` with the episode's seed): an episode cut short by an abort, with partial rollouts on, is then
+kept with its turns and continues from there when drawn again, a checkpoint in between included; without them it
+is played again from the start. Environments run in processes of their own
 (`baton.agentic.pool.EnvPool`), so one that hangs or crashes costs its trajectory, not the step.
 
 `ENVIRONMENTS` names the shipped ones; a config's `agentic.env` is one of those names or the import path of the user's
@@ -64,6 +68,12 @@ class GuessNumberEnv:
             return "correct\n", 1.0, True, {"valid": True}
         return ("higher\n" if guess < self.target else "lower\n"), 0.0, False, {"valid": True}
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"target": self.target}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.target = int(state["target"])
+
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -119,6 +129,12 @@ class CalculatorEnv:
             right = text[7:].strip() == str(self.value)
             return ("right\n" if right else "wrong\n"), float(right), True, {"tool": False}
         return "use calc or answer\n", 0.0, False, {"tool": False}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"question": self.question, "value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.question, self.value = str(state["question"]), int(state["value"])
 
 
 __all__ = ["ENVIRONMENTS", "CalculatorEnv", "Env", "GuessNumberEnv", "evaluate_arithmetic"]

@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -54,11 +55,18 @@ def _serve(read_fd: int, write_fd: int) -> None:
 
     def run(call_id: int, op: str, key: str, arg) -> None:
         try:
-            if op == "reset":
+            if op == "reset":  # arg: (seed, the episode's saved state or None)
+                seed, state = arg
                 episodes[key] = factory(**env_kwargs)
-                result = episodes[key].reset(arg)
+                result = episodes[key].reset(seed)
+                if state is not None:
+                    episodes[key].load_state_dict(state)
             elif op == "step":
                 result = episodes[key].step(arg)
+            elif op == "state":
+                save = getattr(episodes[key], "state_dict", None)
+                result = None if save is None else save()
+                json.dumps(result)  # it rides in a sample's metadata into checkpoints: JSON only
             elif op == "close":
                 result = episodes.pop(key, None) is not None
             else:  # "ping"
@@ -208,9 +216,9 @@ class EnvPool:
 
     # --- calls -----------------------------------------------------------------------------------------
 
-    async def reset(self, key: str, seed: int) -> str:
-        """Put episode `key` on the process with the fewest and reset its environment with `seed`: the first
-        observation."""
+    async def reset(self, key: str, seed: int, state: dict | None = None) -> str:
+        """Put episode `key` on the process with the fewest and reset its environment with `seed` (then load `state`,
+        an episode saved by `state`, into it): the first observation."""
         deadline = time.monotonic() + self.acquire_timeout_s
         while True:
             with self._lock:
@@ -229,7 +237,11 @@ class EnvPool:
                                "num_env_processes")
             await self._replace_finished()  # a dead or retired one may be what is missing
             await asyncio.sleep(0.005)
-        return await self._call(key, "reset", seed)
+        return await self._call(key, "reset", (seed, state))
+
+    async def state(self, key: str) -> dict | None:
+        """Episode `key`'s environment state (its `state_dict()`, JSON-safe), None if it has no `state_dict`."""
+        return await self._call(key, "state", None)
 
     async def step(self, key: str, action: str) -> tuple[str, float, bool, dict]:
         return await self._call(key, "step", action)

@@ -10,6 +10,12 @@ token (whose log-probs are 0.0 and weight versions -1). The episode ends when th
 turns' rewards; `turns` and `success` (the environment ended the episode with a positive reward) ride along.
 An environment that raises, hangs past `env_timeout_s` or dies marks its sample FAILED: the rollout drops it
 (`rollout/num_dropped/failed_samples`) and keeps the rest of its group.
+
+An aborted episode (the async producer stopping for a checkpoint, say) ends the turn it was in. With
+`rollout_system.partial_rollout` and an environment that can save its state (`state_dict`), the sample keeps the
+turns played (tokens, log-probs, versions) and, in its metadata's `partial_state`, their rewards and the
+environment's state: drawn again, after a resume too, the episode continues from its next turn, the aborted one
+played again with the same seed. Otherwise it is played again from the start.
 """
 
 from __future__ import annotations
@@ -113,14 +119,16 @@ async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> S
     tokenizer = args.tokenizer
     stop = (newline_id(tokenizer), tokenizer.eos_token_id)
     key = f"g{sample.group_index}-s{sample.sample_index}-e{next(_episodes)}"
-    ids: list[int] = []
-    mask: list[int] = []
-    log_probs: list[float] = []
-    versions: list[int] = []
-    rewards: list[float] = []
+    saved = sample.metadata.get("partial_state")  # the turns of an episode cut short, and its environment's state
+    ids, log_probs, versions = list(sample.response_ids), list(sample.rollout_log_probs), list(sample.weight_versions)
+    mask = sample.effective_loss_mask()
+    rewards: list[float] = list(saved["rewards"]) if saved else []
+    if not saved and ids:
+        raise ValueError(f"{sample.where()}: a partial trajectory without its partial_state; reset the sample "
+                         "(baton.rollout.functions.reset_sample) to play the episode again")
     done = False
     try:
-        await pool.reset(key, sample.metadata["env_seed"])
+        await pool.reset(key, sample.metadata["env_seed"], saved["env_state"] if saved else None)
         while not done and len(rewards) < settings.max_turns and len(ids) < settings.max_tokens:
             turn = len(rewards)
             seed = None if sample.seed is None else (sample.seed + turn) % (1 << 62)
@@ -129,7 +137,13 @@ async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> S
                                                                  settings.max_tokens - len(ids)))
             request = GenerationRequest(args.request_id(sample), tuple(sample.prompt_ids) + tuple(ids), turn_params)
             result = await args.generate_request(request, affinity_key=key)
-            if result.finish_reason == "abort":  # a trajectory does not resume part-way: played again from the start
+            if result.finish_reason == "abort":  # the turns so far kept, the aborted one left out
+                state = await pool.state(key) if args.config.partial_rollout and rewards else None
+                if state is not None:
+                    sample.response_ids, sample.loss_mask = ids, mask
+                    sample.rollout_log_probs, sample.weight_versions = log_probs, versions
+                    sample.response = tokenizer.decode(ids, skip_special_tokens=True)
+                    sample.metadata["partial_state"] = {"rewards": rewards, "env_state": state}
                 sample.status = Status.ABORTED
                 return sample
             ids += result.response_ids
@@ -152,6 +166,7 @@ async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> S
     finally:
         await pool.close(key)
     total = float(sum(rewards))
+    sample.metadata.pop("partial_state", None)
     sample.response_ids, sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = ids, mask, log_probs, versions
     sample.response = tokenizer.decode(ids, skip_special_tokens=True)
     sample.status = Status.COMPLETED if done else Status.TRUNCATED

@@ -38,11 +38,17 @@ class AgenticConfig(RolloutRLVRConfig):
 
     def check(self) -> None:
         super().check()
-        if self.rollout_system.partial_rollout:
-            raise ConfigError("rollout_system.partial_rollout: an episode does not resume part-way (its environment's "
-                              "state is gone); set partial_rollout: false, and an aborted episode is played again")
         if self.loss != "policy":
             raise ConfigError(f"loss {self.loss!r}: agentic runs train the policy on its trajectories; use loss: policy")
+        settings, capacity = self.agentic, self.agentic.num_env_processes * self.agentic.episodes_per_env_process
+        episodes = max(self.trainer.num_prompts_per_step * self.sampling.num_samples_per_prompt,
+                       settings.num_val_episodes * self.val_sampling.num_samples_per_prompt)
+        if self.rollout_system.deterministic and episodes > capacity:
+            # In lockstep every episode's turn waits for all the others': one waiting for an environment slot
+            # would hold them all.
+            raise ConfigError(f"rollout_system.deterministic plays a rollout's {episodes} episodes in lockstep, but the "
+                              f"environments hold {capacity} at once (agentic.num_env_processes × "
+                              "episodes_per_env_process); raise those, or lower the episodes a rollout plays")
 
 
 class AgenticPipeline(RolloutRLVRPipeline):

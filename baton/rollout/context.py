@@ -69,7 +69,10 @@ class RolloutContext:
         self._ids = itertools.count()
         self._request_ids: dict[tuple[int, int], str] = {}  # (group, sample) -> its request id in flight
         self._request_keys: dict[str, tuple[int, int]] = {}  # and back
-        self._together: list = []  # deterministic mode: (request, affinity key, its ticket) made this loop turn
+        self._together: list = []  # deterministic mode: (request, affinity key, its ticket) waiting to be submitted
+        self._num_generating = 0  # deterministic mode: this context's generate calls in flight
+        self._aborted: set[tuple[int, int]] = set()  # (group, sample) aborted in their generate call now running
+        self._submit_due = False
         self.response_key = services.response_key
         self.ledger = services.ledger
         self.extras = services.extras
@@ -90,8 +93,13 @@ class RolloutContext:
 
     async def generate_request(self, request: GenerationRequest, affinity_key: str | None = None) -> GenerationResult:
         """One request through the router; requests with one `affinity_key` (a multi-turn conversation's id) go to
-        one engine, whose prefix cache then holds the conversation. In deterministic mode the requests made in one
-        turn of the event loop go to the router together (`_submit_together`)."""
+        one engine, whose prefix cache then holds the conversation. In deterministic mode requests go to the router
+        in lockstep batches (`_submit_together`). A request of a sample aborted already (a multi-turn episode
+        between two turns when the abort came) returns at once, aborted, with nothing generated."""
+        if self._request_keys.get(request.request_id) in self._aborted:
+            self._forget(request.request_id)
+            return GenerationResult(request.request_id, request.prefix_response_ids, request.prefix_log_probs,
+                                    request.prefix_weight_versions, self._pool.version, "abort")
         try:
             if self.config.deterministic:
                 future = await self._submit_together(request, affinity_key)
@@ -102,18 +110,29 @@ class RolloutContext:
             self._forget(request.request_id)
 
     async def _submit_together(self, request: GenerationRequest, affinity_key: str | None):
-        """The router's future for `request`, once it and every request made in the same turn of the event loop (a
-        rollout's first requests, all started at once) have gone to the router in one submit, in the order they
-        were made: each engine then takes them all at one step, so its batches, and the numerics of every row in
-        them, are the same run after run (an engine's logits of a row depend on the rows beside it)."""
+        """The router's future for `request`, once it has gone to the router in one submit with the next request of
+        every other generate call of this context in flight (lockstep: a rollout's first requests, all started at
+        once; then each later turn of its multi-turn episodes, once every episode has had its environment's answer
+        or ended), sorted by sample. Each engine then takes them all at one step, so its batches, and the numerics
+        of every row in them, are the same run after run (an engine's logits of a row depend on the rows beside
+        it), whenever the environments answer."""
         ticket = asyncio.get_running_loop().create_future()
-        if not self._together:
-            asyncio.get_running_loop().call_soon(self._submit_gathered)  # after the tasks already queued
         self._together.append((request, affinity_key, ticket))
+        self._submit_when_all_wait()
         return await ticket
 
+    def _submit_when_all_wait(self) -> None:
+        """Submit the waiting requests, at the next turn of the loop (so that the requests made in this one join),
+        once every generate call in flight has one waiting; requests made outside a generate call go at once."""
+        if self._together and len(self._together) >= self._num_generating and not self._submit_due:
+            self._submit_due = True
+            asyncio.get_running_loop().call_soon(self._submit_gathered)  # after the tasks already queued
+
     def _submit_gathered(self) -> None:
-        gathered, self._together = self._together, []
+        self._submit_due = False
+        last = (float("inf"), float("inf"))
+        gathered = sorted(self._together, key=lambda made: self._request_keys.get(made[0].request_id, last))
+        self._together = []
         try:
             futures = self.router.submit([request for request, _, _ in gathered], [key for _, key, _ in gathered])
         except Exception as error:  # every request of the turn fails alike
@@ -129,7 +148,15 @@ class RolloutContext:
             del self._request_ids[key]
 
     async def generate(self, sample: Sample, params: SamplingParams) -> Sample:
-        return await self._generate(self, sample, params)
+        self._aborted.discard((sample.group_index, sample.sample_index))  # drawn again: a new attempt
+        if not self.config.deterministic:
+            return await self._generate(self, sample, params)
+        self._num_generating += 1
+        try:
+            return await self._generate(self, sample, params)
+        finally:
+            self._num_generating -= 1
+            self._submit_when_all_wait()  # the others may all be waiting on this one
 
     async def reward(self, group: list[Sample]) -> None:
         current = trace.tracer()
@@ -148,10 +175,12 @@ class RolloutContext:
         return verdict if isinstance(verdict, tuple) else (bool(verdict), "filtered")
 
     async def abort(self, samples: Sequence[Sample]) -> None:
-        """Abort the samples' requests in flight (bounded by `abort_timeout_s`); their generate calls return the
-        partial responses. Runs off the event loop, which keeps serving the other tasks meanwhile."""
-        ids = [self._request_ids[key] for key in ((s.group_index, s.sample_index) for s in samples)
-               if key in self._request_ids]  # the router skips ids no longer in flight
+        """Abort the samples' requests in flight (bounded by `abort_timeout_s`), and the requests their generate
+        calls make next; the calls return the partial responses. Runs off the event loop, which keeps serving the
+        other tasks meanwhile."""
+        keys = [(s.group_index, s.sample_index) for s in samples]
+        self._aborted.update(keys)
+        ids = [self._request_ids[key] for key in keys if key in self._request_ids]  # the router skips ids not in flight
         if ids:
             await asyncio.get_running_loop().run_in_executor(None, functools.partial(
                 self.router.abort, ids, timeout_s=self.config.abort_timeout_s))

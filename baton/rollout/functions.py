@@ -184,11 +184,13 @@ async def abort_groups(args, running: dict[asyncio.Task, list[Sample]], data_sou
 
 
 def reset_sample(sample: Sample, keep_tokens: bool) -> None:
-    """Make a sample drawable again: PENDING, unrewarded; its partial response kept or dropped."""
+    """Make a sample drawable again: PENDING, unrewarded; its partial response kept or dropped (with the state a
+    generate function kept to continue it, the metadata's `partial_state`)."""
     sample.status, sample.reward = Status.PENDING, None
     if not keep_tokens:
         sample.response, sample.response_ids, sample.loss_mask = "", [], None
         sample.rollout_log_probs, sample.weight_versions = [], []
+        sample.metadata.pop("partial_state", None)
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
