@@ -297,7 +297,8 @@ def test_deterministic_async_episodes_repeat_and_resume_exactly(tmp_path):
 
     def config(name: str) -> AgenticConfig:
         made = tiny(tmp_path / name, num_steps=4, env=f"{ENVS}:JitteryLuckyGuessEnv")
-        made.rollout_system = dataclasses.replace(made.rollout_system, mode="async", max_staleness=2, deterministic=True)
+        made.rollout_system = dataclasses.replace(made.rollout_system, mode="async", max_staleness=2,
+                                                  deterministic=True)
         made.trainer.save_every_steps = 2
         return made
 

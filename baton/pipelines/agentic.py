@@ -46,8 +46,8 @@ class AgenticConfig(RolloutRLVRConfig):
         if self.rollout_system.deterministic and episodes > capacity:
             # In lockstep every episode's turn waits for all the others': one waiting for an environment slot
             # would hold them all.
-            raise ConfigError(f"rollout_system.deterministic plays a rollout's {episodes} episodes in lockstep, but the "
-                              f"environments hold {capacity} at once (agentic.num_env_processes × "
+            raise ConfigError(f"rollout_system.deterministic plays a rollout's {episodes} episodes in lockstep, but "
+                              f"the environments hold {capacity} at once (agentic.num_env_processes × "
                               "episodes_per_env_process); raise those, or lower the episodes a rollout plays")
 
 

@@ -137,8 +137,8 @@ class RolloutProducer:
         running: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop_producing.is_set():
             admitted = 0
-            while (self.ledger.admits(planned := self._planned_version(len(self._ready) + len(running)), self.pool.version)
-                   and not self._step_has_priority(len(running))):
+            while (self.ledger.admits(planned := self._planned_version(len(self._ready) + len(running)),
+                                      self.pool.version) and not self._step_has_priority(len(running))):
                 for group in self.data_source.get_samples(1):
                     self._admit(group, planned)
                     running[asyncio.ensure_future(generate_group(ctx, group, ctx.sampling_params))] = group

@@ -131,9 +131,10 @@ class StalenessLedger:
         indices = [group[0].group_index for group in groups]
         for group in groups:
             if self.over(group, trained_version):
-                raise ValueError(f"{group[0].where()}'s group holds trained tokens {self.staleness(group, trained_version)} "
-                                 f"versions older than the weights they would train (max_staleness={self.max_staleness}); "
-                                 "a rollout function must settle its groups with args.ledger.settle (or leave them out)")
+                raise ValueError(f"{group[0].where()}'s group holds trained tokens "
+                                 f"{self.staleness(group, trained_version)} versions older than the weights they would "
+                                 f"train (max_staleness={self.max_staleness}); a rollout function must settle its "
+                                 "groups with args.ledger.settle (or leave them out)")
         again = [index for index in indices if index in self.trained]
         if again or len(set(indices)) != len(indices):
             twice = again or sorted(i for i, n in Counter(indices).items() if n > 1)
