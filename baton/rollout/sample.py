@@ -93,9 +93,15 @@ class Sample:
         return [1] * self.response_length if self.loss_mask is None else [int(m) for m in self.loss_mask]
 
     def oldest_version(self) -> int | None:
-        """The oldest weight version that sampled one of its tokens (environment tokens aside), None if none did."""
-        versions = [v for v in self.weight_versions if v >= 0]
-        return min(versions) if versions else None
+        """The oldest weight version among its trained tokens (the model's, in the loss: environment tokens and
+        masked ones aside), None if it has none; the staleness ledger measures staleness from it."""
+        versions = np.asarray(self.weight_versions, dtype=np.int64)  # in C: a long trace's tokens are many
+        trained = versions >= 0
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != len(versions):
+                self.check()  # the error naming the sample and the list
+            trained &= np.asarray(self.loss_mask, dtype=bool)
+        return int(versions[trained].min()) if trained.any() else None
 
     def score(self, reward_key: str = "score") -> float:
         """The scalar reward: `reward` itself if a number, `reward[reward_key]` if a dict."""

@@ -31,8 +31,6 @@ import bisect
 from collections import Counter
 from typing import Iterable
 
-import numpy as np
-
 from baton.rollout.config import STALE_POLICIES
 from baton.rollout.functions import reset_sample
 from baton.rollout.sample import Sample, Status
@@ -60,7 +58,7 @@ class StalenessLedger:
 
     def staleness(self, group: list[Sample], trained_version: int) -> int:
         """The group's stalest trained token's staleness; 0 when it has no trained token."""
-        oldest = [v for v in map(oldest_trained_version, group) if v is not None]
+        oldest = [v for v in (sample.oldest_version() for sample in group) if v is not None]
         return trained_version - min(oldest) if oldest else 0
 
     def over(self, group: list[Sample], trained_version: int) -> bool:
@@ -159,17 +157,6 @@ class StalenessLedger:
         self.counts = Counter(state["counts"])
 
 
-def oldest_trained_version(sample: Sample) -> int | None:
-    """The oldest version among the sample's trained tokens (written by the model, in the loss); None if none."""
-    versions = np.asarray(sample.weight_versions, dtype=np.int64)  # in C: a long trace's tokens are many
-    trained = versions >= 0
-    if sample.loss_mask is not None:
-        if len(sample.loss_mask) != len(versions):
-            sample.check()  # the error naming the sample and the list
-        trained &= np.asarray(sample.loss_mask, dtype=bool)
-    return int(versions[trained].min()) if trained.any() else None
-
-
 def withhold(sample: Sample, trained_version: int, max_staleness: int) -> int:
     """Mask the sample's trained tokens over the bound out of the loss; the number masked."""
     mask = sample.effective_loss_mask()
@@ -219,4 +206,4 @@ class GroupSet:
             self.intervals.insert(at, [index, index + 1])
 
 
-__all__ = ["GroupSet", "StalenessLedger", "oldest_trained_version", "withhold"]
+__all__ = ["GroupSet", "StalenessLedger", "withhold"]
