@@ -1,7 +1,8 @@
 """RLVR on the rollout system (`RolloutRLVRPipeline`), on the local backend with the tiny model: the three modes and
 their staleness bound (also across a resume), exact resume, dump → replay, rollout-only, the SFT rollout function,
 custom functions by import path, over-sampling with a filter, an abort that does not wait on a slow reward, partial
-rollouts resumed over two weight versions, and eval per dataset."""
+rollouts resumed over two weight versions, responses cut at a token budget per rollout (and a deterministic resume
+with them in the buffer), and eval per dataset."""
 
 from __future__ import annotations
 
@@ -124,6 +125,104 @@ def test_a_deterministic_async_run_resumes_exactly_with_the_rollouts_it_ran_ahea
     run_pipeline(RolloutRLVRPipeline, config)
     whole, resumed = run_metrics(str(tmp_path / "whole")), run_metrics(str(tmp_path / "resumed"))
     assert sorted(resumed) == [3, 4] and resumed[3] == whole[3] and resumed[4] == whole[4]
+
+
+def model_that_stops_at_random(directory) -> str:
+    """The tiny model, saved with its end-of-text logit raised so that its responses end after anywhere from one to
+    eight tokens (with random weights a response otherwise runs to max_new_tokens)."""
+    from baton.models.build import build_model
+    from baton.models.tokenizer import load_tokenizer
+
+    tokenizer, model = load_tokenizer(), build_model("tiny-qwen2", seed=0)
+    with torch.no_grad():
+        ids = tokenizer(["1+2=", "7+5="], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        mean = model.model(ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[tokenizer.eos_token_id] = 0.3 * mean / mean.norm()
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_deterministic_run_resumes_exactly_with_the_partial_rollouts_in_its_buffer(tmp_path):
+    """max_new_tokens_per_rollout cuts each response at a recorded token boundary, so the weights change inside
+    responses and a checkpoint holds partial rollouts: the groups cut go back to the buffer with their tokens, log-probs
+    and versions, and continue in a later rollout on newer weights. The run resumed from step 2 continues them (the
+    rollout of step 4 is made of them) and logs what the run that went on logged, and ends with the same weights."""
+    from safetensors.torch import load_file
+
+    model = model_that_stops_at_random(tmp_path / "model")
+
+    def config(name: str) -> RolloutRLVRConfig:
+        made = tiny(tmp_path / name, mode="one_step_off", deterministic=True, partial_rollout=True,
+                    mask_stale_partial_tokens=True, max_new_tokens_per_rollout=3)
+        made.actor = RoleConfig(strategy=StrategyConfig(model=model))
+        made.rollout = dataclasses.replace(made.rollout, strategy=StrategyConfig(model=model))
+        made.sampling = dataclasses.replace(made.sampling, max_new_tokens=8)
+        return made
+
+    run_pipeline(RolloutRLVRPipeline, config("whole"))
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
+    buffer = load_state(str(checkpoint / PIPELINE_STATE))["rollouts"]["data_source"]["buffer"]
+    partial = [sample for group in buffer for sample in group if sample["response_ids"]]
+    assert partial and all(sample["status"] == Status.PENDING.value for sample in partial)
+    resumed = config("resumed")
+    resumed.trainer.resume = str(checkpoint)
+    run_pipeline(RolloutRLVRPipeline, resumed)
+    whole, again = run_metrics(str(tmp_path / "whole")), run_metrics(str(tmp_path / "resumed"))
+    assert whole[1]["rollout/num_cut_groups"] > 0 and whole[4]["rollout/num_partial_samples"] > 0
+    assert again == {step: whole[step] for step in (3, 4)}
+    weights = [load_file(tmp_path / name / "checkpoints" / "step_4" / "actor" / "model.safetensors")
+               for name in ("whole", "resumed")]
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+
+
+def test_free_running_async_requeues_cut_groups_and_keeps_its_bound(tmp_path):
+    """The async producer puts a group cut at max_new_tokens_per_rollout back in the buffer and draws it again on the
+    engines' newer weights; every step still gets its groups, within the bound."""
+    model = model_that_stops_at_random(tmp_path / "model")
+    config = tiny(tmp_path / "run", mode="async", max_staleness=2, partial_rollout=True, stale_policy="withhold",
+                  max_new_tokens_per_rollout=3)
+    config.actor = RoleConfig(strategy=StrategyConfig(model=model))
+    config.rollout = dataclasses.replace(config.rollout, strategy=StrategyConfig(model=model))
+    config.sampling = dataclasses.replace(config.sampling, max_new_tokens=8)
+    run_pipeline(RolloutRLVRPipeline, config)
+    by_step = run_metrics(str(tmp_path / "run"))
+    assert sum(by_step[step].get("rollout/num_cut_groups", 0) for step in (1, 2, 3, 4)) > 0
+    assert sum(by_step[step]["rollout/num_partial_samples"] for step in (1, 2, 3, 4)) > 0
+    assert all(by_step[step]["rollout/num_groups"] == 4 and by_step[step]["rollout/staleness/max"] <= 2
+               for step in (1, 2, 3, 4))
+
+
+def test_a_cut_sample_continues_on_newer_weights_and_its_first_tokens_leave_the_loss(tmp_path):
+    config = tiny(tmp_path, num_steps=1, engines=1, partial_rollout=True, mask_stale_partial_tokens=True,
+                  max_new_tokens_per_rollout=2)
+    pipeline = RolloutRLVRPipeline(config)
+    try:
+        [group] = pipeline.producer.data_source.get_samples(1)
+        ctx = pipeline.producer.context()
+        params = SamplingParams(temperature=1.0, max_new_tokens=5, n=1, stop_token_ids=())
+        sample = ctx.run(generate_sample(ctx, group[0], params))
+        assert sample.status == Status.ABORTED and sample.weight_versions == [0, 0]  # cut after 2 new tokens
+        pipeline.publisher.publish(pipeline.actor, version=1)
+        sample.status = Status.PENDING  # as the rollout puts it back
+        sample = ctx.run(generate_sample(ctx, sample, params))
+        assert sample.status == Status.ABORTED and sample.weight_versions == [0, 0, 1, 1]
+        sample.status = Status.PENDING
+        sample = ctx.run(generate_sample(ctx, sample, params))  # one token left: the whole bound ends it
+        assert sample.status == Status.TRUNCATED and sample.weight_versions == [0, 0, 1, 1, 1]
+        assert sample.loss_mask == [0, 0, 0, 0, 1] and sample.metadata["num_resumes"] == 2
+    finally:
+        pipeline.shutdown()
+
+
+@pytest.mark.parametrize("system,message", [
+    (dict(max_new_tokens_per_rollout=4), "needs partial_rollout: true"),
+    (dict(max_new_tokens_per_rollout=0, partial_rollout=True), "a value >= 1"),
+    (dict(max_new_tokens_per_rollout=4, partial_rollout=True, mode="async", max_staleness=2, deterministic=True),
+     "first tokens are 3 versions old when it trains, over max_staleness=2"),
+])
+def test_cut_responses_are_refused_where_they_cannot_train(system, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutSystemConfig(**system)
 
 
 @pytest.mark.ray

@@ -233,14 +233,14 @@ class RolloutRLVRPipeline(Pipeline):
 
     def pipeline_state(self) -> dict:
         """Besides the loop's (and the algorithm's): the data source (its buffer and the partial samples in it) and,
-        in the overlapped modes, the next steps' groups, generated or taken ahead (waited for first)."""
-        state = {**super().pipeline_state(), **self.algorithm.state_dict(), "rollouts": self.producer.state_dict(),
-                 "ahead": []}
+        in the overlapped modes, the next steps' groups, generated or taken ahead (waited for first, so that the
+        samples they put back are in the buffer saved)."""
+        ahead = []
         for step in sorted(self.ahead):
             groups, metrics, _ = self.wait_rollout(self.ahead[step])
-            state["ahead"].append({"step": step, "groups": [[s.to_dict() for s in g] for g in groups],
-                                   "metrics": metrics})
-        return state
+            ahead.append({"step": step, "groups": [[s.to_dict() for s in g] for g in groups], "metrics": metrics})
+        return {**super().pipeline_state(), **self.algorithm.state_dict(), "rollouts": self.producer.state_dict(),
+                "ahead": ahead}
 
     def load_pipeline_state(self, state: dict) -> None:
         super().load_pipeline_state(state)

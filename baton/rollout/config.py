@@ -75,7 +75,14 @@ class RolloutSystemConfig:
         most prompts) would otherwise make a step generate without end.
     partial_rollout: aborted samples keep their tokens, log-probs and versions and continue from there when drawn
         again; off, they go back to the buffer as fresh prompts. mask_stale_partial_tokens: a resumed sample's tokens
-        from before its last resume are masked out of the loss.
+        from before its last resume are masked out of the loss. max_new_tokens_per_rollout: (with partial_rollout)
+        a sample generates at most this many tokens in one rollout; one not finished by then stops at that token
+        boundary and its group goes back to the buffer when the rollout ends, to continue in a later rollout with
+        newer weights (the step starts other groups in its place, up to max_groups_started_factor). A long response
+        then holds no step, and in deterministic mode weight updates land inside responses at recorded token
+        boundaries, so a checkpoint holds partial rollouts. The default generate function honours it (a custom one,
+        the agentic one among them, does not). A continued sample's first tokens are a rollout older than the
+        rest: deterministic mode needs them out of the loss (mask_stale_partial_tokens) or withheld by the policy.
     buffer_filter: which buffered groups `get_samples` takes (see `RolloutDataSource`).
     abort_timeout_s: the longest an abort waits for engines and reward functions before it gives up on a group
         (the group goes back to the buffer). reward_timeout_s: one group's reward, at most (None: no limit); a
@@ -105,6 +112,7 @@ class RolloutSystemConfig:
     max_groups_started_factor: float = 8.0
     partial_rollout: bool = False
     mask_stale_partial_tokens: bool = False
+    max_new_tokens_per_rollout: int | None = None
     buffer_filter: str | None = None
     abort_timeout_s: float = 30.0
     reward_timeout_s: float | None = 60.0
@@ -160,6 +168,17 @@ class RolloutSystemConfig:
             raise ValueError("rollout_system.rollout_only with load_rollouts would neither generate nor train; set one")
         if self.mask_stale_partial_tokens and not self.partial_rollout:
             raise ValueError("rollout_system.mask_stale_partial_tokens needs partial_rollout: true")
+        if self.max_new_tokens_per_rollout is not None:
+            if self.max_new_tokens_per_rollout < 1 or not self.partial_rollout:
+                raise ValueError(f"rollout_system.max_new_tokens_per_rollout={self.max_new_tokens_per_rollout} needs "
+                                 "partial_rollout: true and a value >= 1 (tokens per sample per rollout)")
+            lookahead = self.max_staleness if self.mode == "async" else 1  # the rollouts run ahead (deterministic)
+            if (self.deterministic and self.mode != "sync" and lookahead + 1 > self.max_staleness
+                    and not (self.mask_stale_partial_tokens or self.stale_policy == "withhold")):
+                raise ValueError("rollout_system.max_new_tokens_per_rollout in deterministic mode: a continued "
+                                 f"sample's first tokens are {lookahead + 1} versions old when it trains, over "
+                                 f"max_staleness={self.max_staleness}; set mask_stale_partial_tokens: true or "
+                                 "stale_policy: withhold")
         for name, registry in PLUGINS.items():
             if getattr(self, name) is not None:
                 fn = registry.get(getattr(self, name), key=f"rollout_system.{name}")

@@ -32,15 +32,20 @@ class RolloutStalledError(TimeoutError):
 async def generate_sample(args, sample: Sample, params: SamplingParams) -> Sample:
     """One engine request for `sample` (seeded by `sample.seed`), continued from its partial response if it has one:
     the engine bounds the whole response by `params.max_new_tokens`. Sets the response, its log-probs, versions and
-    status; with `mask_stale_partial_tokens` the tokens made before this resume get loss mask 0."""
+    status; with `mask_stale_partial_tokens` the tokens made before this resume get loss mask 0. With
+    `max_new_tokens_per_rollout` (training rollouts only) the request stops after that many new tokens, and a
+    response not finished by then is ABORTED there, to continue in a later rollout."""
     if sample.status in TRAINABLE:  # generated already (a surplus group put back into the buffer)
         return sample
     prefix = len(sample.response_ids)
     if prefix >= params.max_new_tokens:
         sample.status = Status.TRUNCATED
         return sample
+    chunk = None if getattr(args, "evaluation", False) else args.config.max_new_tokens_per_rollout
+    cut = chunk is not None and prefix + chunk < params.max_new_tokens
     request = GenerationRequest(args.request_id(sample), sample.prompt_ids,
-                                dataclasses.replace(params, n=1, seed=sample.seed),
+                                dataclasses.replace(params, n=1, seed=sample.seed,
+                                                    max_new_tokens=prefix + chunk if cut else params.max_new_tokens),
                                 sample.response_ids, sample.rollout_log_probs, sample.weight_versions)
     result = await args.generate_request(request)
     mask = sample.loss_mask  # None: all ones
@@ -51,7 +56,7 @@ async def generate_sample(args, sample: Sample, params: SamplingParams) -> Sampl
     sample.loss_mask = mask
     sample.response_ids, sample.rollout_log_probs = list(result.response_ids), list(result.log_probs)
     sample.weight_versions = list(result.weight_versions)
-    sample.status = _STATUS[result.finish_reason]
+    sample.status = Status.ABORTED if cut and result.finish_reason == "length" else _STATUS[result.finish_reason]
     sample.response = args.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     if prefix:
         sample.metadata["num_resumes"] = sample.metadata.get("num_resumes", 0) + 1
@@ -101,39 +106,52 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
     """`args.num_groups_per_step` groups that pass the dynamic filter (see the module docstring). Rollout N is
     trained by step N, at weight version N - 1: the staleness ledger (`args.ledger`) settles each group for it (a
     buffered one staler than the bound allows goes back as a fresh prompt, `rollout/num_dropped/stale`, or has its
-    stale tokens withheld, by `rollout_system.stale_policy`)."""
+    stale tokens withheld, by `rollout_system.stale_policy`). A group with a sample cut at
+    `max_new_tokens_per_rollout` goes back to the buffer when the rollout ends (`rollout/num_cut_groups`), and
+    another starts in its place; past the limit of groups started, cut groups continue in this rollout until the
+    step has its groups. In deterministic mode the groups started together finish together before any other
+    starts, and are looked at in data order."""
     config, params = args.config, args.sampling_params
     needed = args.num_groups_per_step
     running: dict[asyncio.Task, list[Sample]] = {}
     kept: list[list[Sample]] = []
+    cut: list[list[Sample]] = []  # to continue in a later rollout
     drops: Counter = Counter()
+    wait_for = asyncio.ALL_COMPLETED if config.deterministic else asyncio.FIRST_COMPLETED
 
     limit = math.ceil(needed * config.max_groups_started_factor)  # DAPO's max_num_gen_batches, in groups
     started = 0
 
-    def start(count: int) -> None:
-        nonlocal started
-        groups = data_source.get_samples(max(0, min(count, limit - started)))
+    def run(groups: list[list[Sample]]) -> None:
         for group in groups:
             args.ledger.prepare(group, rollout_id - 1)
             running[asyncio.ensure_future(generate_group(args, group, params))] = group
+
+    def start(count: int) -> None:
+        nonlocal started
+        groups = data_source.get_samples(max(0, min(count, limit - started)))
+        run(groups)
         started += len(groups)
 
     start(math.ceil(needed * config.over_sampling_factor))
     while len(kept) < needed:
         if len(kept) + len(running) < needed:  # the filter dropped too many: start more
             start(math.ceil((needed - len(kept)) * config.over_sampling_factor) - len(running))
+        if not running and cut:  # the limit is reached: the cut groups go on rather than leave the step short
+            cut, going_on = cut[needed - len(kept):], cut[:needed - len(kept)]
+            run(continued(going_on))
+            continue
         if not running:  # the limit is reached: the step trains on what it kept
             if not kept:
                 raise RuntimeError(f"rollout {rollout_id}: the dynamic filter dropped all {started} groups started "
                                    f"(rollout_system.max_groups_started_factor={config.max_groups_started_factor}): "
                                    f"{dict(drops)}; raise the factor, or loosen the filter")
             break
-        done, _ = await asyncio.wait(running, timeout=config.watchdog_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(running, timeout=config.watchdog_s, return_when=wait_for)
         if not done:
             raise RolloutStalledError(args.describe_stall(f"rollout {rollout_id}: no group finished within "
                                                           f"{config.watchdog_s:g} s (rollout_system.watchdog_s)"))
-        for task in done:
+        for task in sorted(done, key=lambda task: running[task][0].group_index):
             group = running.pop(task)
             try:
                 task.result()
@@ -142,6 +160,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
                 continue
             except GroupFailed:
                 drops["failed_groups"] += 1
+                continue
+            if not all(sample.status in TRAINABLE for sample in group):  # cut at max_new_tokens_per_rollout
+                cut.append(group)
                 continue
             if len(kept) >= needed:
                 data_source.add_samples([group])  # surplus: finished after the step had enough
@@ -157,6 +178,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
             else:
                 drops[reason] += 1
     await abort_groups(args, running, data_source)
+    data_source.add_samples(continued(cut))
+    if config.max_new_tokens_per_rollout is not None:
+        args.metrics["rollout/num_cut_groups"] = float(len(cut))
     args.metrics["rollout/num_groups_started"] = float(started)
     args.metrics.update({f"rollout/num_dropped/{reason}": float(count) for reason, count in drops.items()})
     return kept
@@ -181,6 +205,15 @@ async def abort_groups(args, running: dict[asyncio.Task, list[Sample]], data_sou
                 reset_sample(sample, keep_tokens=args.config.partial_rollout)
         data_source.add_samples([group])
     args.metrics["rollout/num_aborted_groups"] = float(len(running))
+
+
+def continued(groups: list[list[Sample]]) -> list[list[Sample]]:
+    """The groups, their unfinished samples made drawable again with their tokens kept."""
+    for group in groups:
+        for sample in group:
+            if sample.status not in TRAINABLE:
+                reset_sample(sample, keep_tokens=True)
+    return groups
 
 
 def reset_sample(sample: Sample, keep_tokens: bool) -> None:
@@ -236,6 +269,7 @@ def sft_rollout(args, rollout_id: int, data_source, evaluation: bool = False) ->
     return groups
 
 
-__all__ = ["GroupFailed", "RolloutStalledError", "abort_groups", "eval_rollout", "eval_rollout_async", "generate_group", "generate_rollout", "generate_rollout_async",
-           "generate_sample", "nonzero_reward_std", "reset_sample", "sft_rollout"]
+__all__ = ["GroupFailed", "RolloutStalledError", "abort_groups", "continued", "eval_rollout", "eval_rollout_async",
+           "generate_group", "generate_rollout", "generate_rollout_async", "generate_sample", "nonzero_reward_std",
+           "reset_sample", "sft_rollout"]
 

@@ -24,9 +24,9 @@ from baton.data import DataProto
 from baton.rollout.context import RolloutContext, RolloutServices, load_plugin
 from baton.rollout.data_source import RolloutDataSource
 from baton.rollout.dump import load_rollout, save_rollout
-from baton.rollout.functions import GroupFailed, RolloutStalledError, abort_groups, generate_group
+from baton.rollout.functions import GroupFailed, RolloutStalledError, abort_groups, continued, generate_group
 from baton.rollout.reward import RewardTimeout
-from baton.rollout.sample import Sample, samples_to_data
+from baton.rollout.sample import TRAINABLE, Sample, samples_to_data
 from baton.strategy import SamplingParams
 from baton.tracking import trace
 
@@ -156,6 +156,11 @@ class RolloutProducer:
                 except (RewardTimeout, GroupFailed) as error:
                     self._admitted.pop(group[0].group_index)
                     ctx.count_dropped("reward_timeout" if isinstance(error, RewardTimeout) else "failed_groups")
+                    continue
+                if not all(sample.status in TRAINABLE for sample in group):  # cut at max_new_tokens_per_rollout:
+                    self._admitted.pop(group[0].group_index)  # continued when drawn again, on newer weights
+                    self.data_source.add_samples(continued([group]))
+                    ctx.metrics["rollout/num_cut_groups"] = ctx.metrics.get("rollout/num_cut_groups", 0.0) + 1.0
                     continue
                 keep, reason = ctx.keep(group)
                 if keep:

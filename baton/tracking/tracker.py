@@ -220,13 +220,15 @@ def read_metrics(path: str) -> list[dict[str, float]]:
     return records
 
 
-WALL_CLOCK_PREFIXES = ("timing_s/", "perf/")  # metrics that measure the machine, not the run: differ run to run
+# Metrics of the machine and its timing, not of the run: timings, throughputs, and the router's load counters (which
+# engine served how many requests, counted since the process started). No two runs share them, nor a run and its resume.
+WALL_CLOCK_PREFIXES = ("timing_s/", "perf/", "router/")
 
 
 def run_metrics(run_dir: str, *, wall_clock: bool = False) -> dict[int, dict[str, float]]:
     """The metrics a run logged (its `metrics.jsonl`), by step: each step's records merged in the order they were
-    written (validation and training records of one step in one dict). wall_clock: keep the timings and throughputs
-    (`WALL_CLOCK_PREFIXES`), which no two runs share."""
+    written (validation and training records of one step in one dict). wall_clock: keep the timings, throughputs and
+    router counters (`WALL_CLOCK_PREFIXES`), which no two runs share."""
     steps: dict[int, dict[str, float]] = {}
     for record in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
         kept = record if wall_clock else {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK_PREFIXES)}
