@@ -63,6 +63,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
                     episodes[key].load_state_dict(state)
             elif op == "step":
                 result = episodes[key].step(arg)
+            elif op == "run":  # an agent program's whole episode (`baton.agentic.agent.AgentProgram`)
+                result = episodes[key].run(*arg)
             elif op == "state":
                 save = getattr(episodes[key], "state_dict", None)
                 result = None if save is None else save()
@@ -246,6 +248,11 @@ class EnvPool:
     async def step(self, key: str, action: str) -> tuple[str, float, bool, dict]:
         return await self._call(key, "step", action)
 
+    async def run(self, key: str, args: tuple, timeout_s: float):
+        """Episode `key`'s `run(*args)` (an agent program's whole episode), bounded by `timeout_s` instead of the
+        pool's per-call timeout."""
+        return await self._call(key, "run", args, timeout_s)
+
     async def close(self, key: str) -> None:
         """End episode `key` (a second call, or one for a key never reset, does nothing)."""
         with self._lock:
@@ -262,7 +269,7 @@ class EnvPool:
             process.episodes.discard(key)
         await self._replace_finished()
 
-    async def _call(self, key: str, op: str, arg):
+    async def _call(self, key: str, op: str, arg, timeout_s: float | None = None):
         with self._lock:
             process = self._owner.get(key)
             if process is None:
@@ -270,14 +277,14 @@ class EnvPool:
             if key in self._lost:
                 raise EnvError(f"episode {key!r} was lost earlier (its environment hung or died)")
         future = process.call(op, key, arg)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
             with self._lock:
                 self._lost.add(key)
                 process.retiring = True  # the hung call is stopped when its process is replaced
-            raise EnvError(f"episode {key!r}: the environment ran past {self.timeout_s:g} s (env timeout_s) in "
-                           f"{op}()") from None
+            raise EnvError(f"episode {key!r}: the environment ran past {timeout_s:g} s in {op}()") from None
         except EnvError as error:
             with self._lock:
                 self._lost.add(key)

@@ -48,6 +48,13 @@ class AgenticSettings:
     processes the environments run in, and the episodes each holds at once (the episodes in flight are bounded by
     their product). num_train_episodes / num_val_episodes: the episodes (environment seeds 0.. and 1_000_000..) that
     make the training prompts and the held-out set.
+
+    agent / agent_kwargs: an agent program ("package.module:function", see `baton.agentic.agent`) that plays each
+    episode through the OpenAI-compatible endpoint instead of baton's turn loop; the environment then only makes
+    the episodes' rows (its first observation as the prompt, the seed as `env_seed`). agent_timeout_s: one
+    episode of the program at most. tool_call_parser: how replies' tool calls are read ("hermes", "json", or
+    null: none). endpoint_host / endpoint_port / endpoint_token: where the endpoint listens (port 0: a free one);
+    a host other than loopback needs a token, which clients send as their API key.
     """
 
     env: str = "guess_number"
@@ -60,6 +67,13 @@ class AgenticSettings:
     episodes_per_env_process: int = 64
     num_train_episodes: int = 2000
     num_val_episodes: int = 100
+    agent: str | None = None
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    agent_timeout_s: float = 300.0
+    tool_call_parser: str | None = None
+    endpoint_host: str = "127.0.0.1"
+    endpoint_port: int = 0
+    endpoint_token: str | None = None
 
     def __post_init__(self):
         for name in ("max_turns", "max_tokens_per_turn", "max_tokens", "num_env_processes", "episodes_per_env_process",
@@ -68,8 +82,23 @@ class AgenticSettings:
                 raise ValueError(f"agentic.{name}={getattr(self, name)} must be >= 1")
         if self.num_val_episodes < 0:
             raise ValueError(f"agentic.num_val_episodes={self.num_val_episodes} must be >= 0")
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"agentic.env_timeout_s={self.env_timeout_s} must be > 0")
+        if self.env_timeout_s <= 0 or self.agent_timeout_s <= 0:
+            raise ValueError(f"agentic.env_timeout_s={self.env_timeout_s} and agent_timeout_s={self.agent_timeout_s} "
+                             "must be > 0")
+        if self.agent is not None:
+            from baton.agentic.endpoint import is_loopback
+            from baton.agentic.tools import TOOL_CALL_PARSERS
+            from baton.config import import_object
+
+            check_call(import_object(self.agent), f"agentic.agent {self.agent!r}",
+                       "fn(base_url, task, seed, **agentic.agent_kwargs)", "", {}, 0, **self.agent_kwargs)
+            if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+                raise ValueError(f"agentic.tool_call_parser {self.tool_call_parser!r} is not one of "
+                                 f"{sorted(TOOL_CALL_PARSERS)} (or null)")
+            if not is_loopback(self.endpoint_host) and not self.endpoint_token:
+                raise ValueError(f"agentic.endpoint_host {self.endpoint_host!r} serves the engines beyond this "
+                                 "machine; set agentic.endpoint_token (clients send it as their API key), or keep "
+                                 "127.0.0.1")
         # A bad name or import path, or a factory or methods whose signatures do not fit, fail when the config is read.
         check_env(ENVIRONMENTS.get(self.env, key="agentic.env"), f"agentic.env {self.env!r}", self.env_kwargs)
 
@@ -176,7 +205,10 @@ async def generate_trajectory(args, sample: Sample, params: SamplingParams) -> S
 
 
 def trajectory_reward(args, sample: Sample) -> dict[str, float]:
-    """The episode's reward, as `generate_trajectory` recorded it."""
+    """The episode's reward, as `generate_trajectory` (or an agent program) recorded it."""
+    if "trajectory_reward" not in sample.metadata:
+        raise ValueError(f"{sample.where()} has no trajectory reward: the trajectory_reward function scores episodes "
+                         "of the agentic generate functions; set rollout_system.reward_function for others")
     return dict(sample.metadata["trajectory_reward"])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from baton.agentic.endpoint import AgentEndpoint
 from baton.agentic.pool import EnvPool
 from baton.agentic.rollout import VAL_SEED_OFFSET, AgenticSettings, episode_rows
 from baton.config import ConfigError
@@ -19,6 +20,8 @@ from baton.models import load_tokenizer
 from baton.pipelines.rollout_rlvr import RolloutRLVRConfig, RolloutRLVRPipeline
 
 GENERATE = "baton.agentic.rollout:generate_trajectory"
+AGENT_GENERATE = "baton.agentic.agent:generate_agent_episode"
+AGENT_PROGRAM = "baton.agentic.agent:AgentProgram"
 REWARD = "baton.agentic.rollout:trajectory_reward"
 
 
@@ -33,7 +36,8 @@ class AgenticConfig(RolloutRLVRConfig):
 
     def __post_init__(self):
         system = self.rollout_system
-        self.rollout_system = dataclasses.replace(system, generate_function=system.generate_function or GENERATE,
+        generate = GENERATE if self.agentic.agent is None else AGENT_GENERATE
+        self.rollout_system = dataclasses.replace(system, generate_function=system.generate_function or generate,
                                                   reward_function=system.reward_function or REWARD)
 
     def check(self) -> None:
@@ -71,14 +75,26 @@ class AgenticPipeline(RolloutRLVRPipeline):
 
     def __init__(self, config: AgenticConfig):
         settings = config.agentic
-        self.env_pool = EnvPool(settings.env, settings.env_kwargs, settings.num_env_processes,
-                                settings.episodes_per_env_process, settings.env_timeout_s)
+        env, env_kwargs = settings.env, settings.env_kwargs
+        if settings.agent is not None:  # the processes run the agent program's episodes
+            env, env_kwargs = AGENT_PROGRAM, {"agent": settings.agent, "agent_kwargs": settings.agent_kwargs}
+        self.env_pool = EnvPool(env, env_kwargs, settings.num_env_processes, settings.episodes_per_env_process,
+                                settings.env_timeout_s)
+        self.endpoint = None
         try:
             super().__init__(config)
         except BaseException:
             self.env_pool.close_pool()
             raise
-        self.services.extras.update(agentic=settings, env_pool=self.env_pool)
+        if settings.agent is not None:
+            try:
+                self.endpoint = AgentEndpoint(self.tokenizer, "baton-policy", settings.tool_call_parser,
+                                              settings.endpoint_host, settings.endpoint_port, settings.endpoint_token)
+                self.pool.loop.run(self.endpoint.start())
+            except BaseException:
+                self.shutdown()
+                raise
+        self.services.extras.update(agentic=settings, env_pool=self.env_pool, endpoint=self.endpoint)
 
     def make_probe(self):
         """The weight-sync probe: the log-prob of each of a few first observations' last character."""
@@ -88,18 +104,25 @@ class AgenticPipeline(RolloutRLVRPipeline):
         return probe_batch(self.tokenizer, [str(data[i]["prompt"]) for i in range(min(4, len(data)))], 1)
 
     def rollout_metrics(self, batch) -> dict[str, float]:
-        """RLVR's batch metrics, and the trajectories': turns per episode, success rate, environment tokens."""
+        """RLVR's batch metrics, and the trajectories': turns per episode, success rate, environment tokens; for an
+        agent program's episodes, the tool calls that failed to parse and the sequences started again."""
         metrics = super().rollout_metrics(batch)
         data = batch.batch
         if "reward_extra/success" in data:
             metrics["agentic/success_rate"] = float(data["reward_extra/success"].float().mean())
             metrics["agentic/turns/mean"] = float(data["reward_extra/turns"].float().mean())
+        for name in ("tool_call_parse_errors", "chain_resets"):  # an agent program's episodes: totals of the batch
+            if f"reward_extra/{name}" in data:
+                metrics[f"agent/{name}"] = float(data[f"reward_extra/{name}"].float().sum())
         env_tokens = (data["attention_mask"][:, -data["responses"].shape[1]:].bool() & ~data["response_mask"].bool())
         metrics["agentic/env_tokens/mean"] = float(env_tokens.sum(-1).float().mean())
         return metrics
 
     def shutdown(self) -> None:
         try:
+            if getattr(self, "endpoint", None) is not None:
+                self.pool.loop.run(self.endpoint.stop(), timeout_s=30)
+                self.endpoint = None
             super().shutdown()
         finally:
             self.env_pool.close_pool()

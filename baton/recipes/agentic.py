@@ -3,6 +3,7 @@ environment from its checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from baton.agentic.rollout import AgenticSettings
@@ -51,4 +52,44 @@ class AgenticDemoConfig(DemoConfig):
 
 class AgenticDemoPipeline(DemoPipeline):
     config_cls = AgenticDemoConfig
+    second_pipeline_cls = "baton.pipelines.agentic:AgenticPipeline"
+
+
+def _agent_warm_up() -> SFTConfig:
+    """The agent example's first stage: SFT on the weak teacher's games as chat conversations."""
+    from baton.agentic.demos import CHAT_DEMOS_FILE
+
+    config = _warm_up()
+    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, run_dir="runs/agent/sft"),
+                               data=DataConfig(task="files", train_path=CHAT_DEMOS_FILE, response_key="response",
+                                               max_prompt_len=32))
+
+
+def _agent_rl() -> AgenticConfig:
+    """The agent example's second stage: GRPO on the episodes the agent program plays through the endpoint."""
+    from baton.agentic.demos import HIGH, MAX_TURNS
+
+    turn_loop = _agentic_rl()
+    return AgenticConfig(
+        actor=turn_loop.actor, rollout=turn_loop.rollout, sampling=turn_loop.sampling,
+        agentic=AgenticSettings(env_kwargs={"high": HIGH}, agent="baton.agentic.agents.guess_number:play",
+                                agent_kwargs={"high": HIGH, "max_turns": MAX_TURNS}, max_turns=MAX_TURNS,
+                                max_tokens_per_turn=3, max_tokens=96, num_val_episodes=200),
+        trainer=dataclasses.replace(turn_loop.trainer, run_dir="runs/agent/rlvr"))
+
+
+@dataclass
+class AgentDemoConfig(DemoConfig):
+    """The agent example: guess-the-number played by an agent program written against the `openai` client
+    (`baton.agentic.agents.guess_number`) through the OpenAI-compatible endpoint. SFT on the weak teacher's games as
+    chat conversations, then GRPO on the program's episodes, trained on the tokens the endpoint sampled."""
+
+    pipeline_cls: str = "baton.recipes.agentic:AgentDemoPipeline"
+    run_dir: str = "runs/agent"
+    sft: SFTConfig = field(default_factory=_agent_warm_up)
+    rlvr: AgenticConfig = field(default_factory=_agent_rl)
+
+
+class AgentDemoPipeline(DemoPipeline):
+    config_cls = AgentDemoConfig
     second_pipeline_cls = "baton.pipelines.agentic:AgenticPipeline"

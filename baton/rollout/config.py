@@ -16,7 +16,8 @@ ROLLOUT_FUNCTIONS = Registry("rollout function", {"generate_rollout": "baton.rol
                                                   "sft_rollout": "baton.rollout.functions:sft_rollout"})
 GENERATE_FUNCTIONS = Registry("generate function", {
     "generate_sample": "baton.rollout.functions:generate_sample",
-    "generate_trajectory": "baton.agentic.rollout:generate_trajectory"})
+    "generate_trajectory": "baton.agentic.rollout:generate_trajectory",
+    "agent_episode": "baton.agentic.agent:generate_agent_episode"})
 REWARD_FUNCTIONS = Registry("rollout reward function", {"trajectory_reward": "baton.agentic.rollout:trajectory_reward"})
 EVAL_FUNCTIONS = Registry("eval function", {"eval_rollout": "baton.rollout.functions:eval_rollout"})
 DYNAMIC_FILTERS = Registry("dynamic filter", {"nonzero_reward_std": "baton.rollout.functions:nonzero_reward_std"})

@@ -116,6 +116,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
     running: dict[asyncio.Task, list[Sample]] = {}
     kept: list[list[Sample]] = []
     cut: list[list[Sample]] = []  # to continue in a later rollout
+    group_of: dict[asyncio.Task, int] = {}
     drops: Counter = Counter()
     wait_for = asyncio.ALL_COMPLETED if config.deterministic else asyncio.FIRST_COMPLETED
 
@@ -125,7 +126,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
     def run(groups: list[list[Sample]]) -> None:
         for group in groups:
             args.ledger.prepare(group, rollout_id - 1)
-            running[asyncio.ensure_future(generate_group(args, group, params))] = group
+            task = asyncio.ensure_future(generate_group(args, group, params))
+            running[task], group_of[task] = group, group[0].group_index  # (a group's failed samples leave it)
 
     def start(count: int) -> None:
         nonlocal started
@@ -151,7 +153,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source, evaluation:
         if not done:
             raise RolloutStalledError(args.describe_stall(f"rollout {rollout_id}: no group finished within "
                                                           f"{config.watchdog_s:g} s (rollout_system.watchdog_s)"))
-        for task in sorted(done, key=lambda task: running[task][0].group_index):
+        for task in sorted(done, key=group_of.pop):
             group = running.pop(task)
             try:
                 task.result()

@@ -175,6 +175,8 @@ class RolloutProducer:
     def take(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """(async mode) The next step's groups, waiting at most `watchdog_s` for enough of them."""
         groups, metrics = self.pool.run_bounded(self._take(), "the async step's wait for its groups")
+        if self.config.save_rollouts is not None:  # as rollout N, N the step that takes them
+            save_rollout(self.config.save_rollouts, self.consumed_steps, groups)
         return groups, {**metrics, **self.pool.router_metrics()}
 
     async def _take(self) -> tuple[list[list[Sample]], dict[str, float]]:
