@@ -23,6 +23,7 @@ import math
 
 from baton.agentic.pool import EnvError
 from baton.config import import_object
+from baton.rollout.functions import reset_sample
 from baton.rollout.sample import TRAINABLE, Sample, Status
 from baton.strategy import SamplingParams
 
@@ -79,24 +80,25 @@ async def generate_agent_episode(args, sample: Sample, params: SamplingParams) -
     key = f"g{sample.group_index}-s{sample.sample_index}-a{next(_episodes)}"
     session = endpoint.open(key, sample, args, params, settings.max_turns, settings.max_tokens,
                             settings.max_tokens_per_turn)
+    failure = None
     try:
         await pool.reset(key, int(sample.metadata.get("env_seed", 0)))
         reward = await pool.run(key, (endpoint.base_url(key), task_row(sample), sample.seed),
                                 settings.agent_timeout_s)
     except EnvError as error:
-        if session.aborted:
-            return aborted(sample)
-        sample.status = Status.FAILED
-        sample.metadata["env_error"] = str(error).splitlines()[0]
-        return sample
+        failure = str(error).splitlines()[0]
     finally:
         await pool.close(key)
         endpoint.close(key)
-    if session.aborted:
-        return aborted(sample)
-    if not session.calls:
+    if session.aborted:  # nothing of it is kept: it is played again from the start
+        reset_sample(sample, keep_tokens=False)
+        sample.status = Status.ABORTED
+        return sample
+    if failure is None and not session.calls:
+        failure = f"agent {settings.agent} made no request to the endpoint"
+    if failure is not None:
         sample.status = Status.FAILED
-        sample.metadata["env_error"] = f"agent {settings.agent} made no request to the endpoint"
+        sample.metadata["env_error"] = failure
         return sample
     ids = session.ids
     sample.prompt_ids, sample.prompt = ids[:session.prompt_len], args.tokenizer.decode(ids[:session.prompt_len])
@@ -108,14 +110,6 @@ async def generate_agent_episode(args, sample: Sample, params: SamplingParams) -
         "score": reward.pop("reward"), "turns": float(session.calls), "success": float(reward.get("success", 0.0)),
         "tool_call_parse_errors": float(session.tool_call_parse_errors),
         "chain_resets": float(session.chain_resets), **{k: v for k, v in reward.items() if k != "success"}}
-    return sample
-
-
-def aborted(sample: Sample) -> Sample:
-    """An episode the rollout aborted: nothing of it is kept (it is played again from the start)."""
-    sample.response, sample.response_ids, sample.loss_mask = "", [], None
-    sample.rollout_log_probs, sample.weight_versions = [], []
-    sample.status = Status.ABORTED
     return sample
 
 

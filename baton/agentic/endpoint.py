@@ -69,6 +69,16 @@ def is_loopback(address: str | None) -> bool:
         return False
 
 
+def check_settings(tool_call_parser: str | None, host: str, token: str | None) -> None:
+    """ConfigError for a tool-call parser that is not one, or a host beyond loopback without a token."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"agentic.tool_call_parser {tool_call_parser!r} is not one of "
+                          f"{sorted(TOOL_CALL_PARSERS)} (or null)")
+    if not is_loopback(host) and not token:
+        raise ConfigError(f"agentic.endpoint_host {host!r} serves the engines beyond this machine; set "
+                          "agentic.endpoint_token (clients send it as their API key), or keep 127.0.0.1")
+
+
 def text_of(content, where: str) -> str:
     """A message's content as text: a string, None (an assistant message with only tool calls) or a list of text
     parts."""
@@ -151,12 +161,7 @@ class AgentEndpoint:
 
     def __init__(self, tokenizer, model_name: str = "baton", tool_call_parser: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None):
-        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ConfigError(f"agentic.tool_call_parser {tool_call_parser!r} is not one of "
-                              f"{sorted(TOOL_CALL_PARSERS)} (or null)")
-        if not is_loopback(host) and not token:
-            raise ConfigError(f"agentic.endpoint_host {host!r} serves the engines beyond this machine; set "
-                              "agentic.endpoint_token (clients send it as their API key), or keep 127.0.0.1")
+        check_settings(tool_call_parser, host, token)
         self.tokenizer, self.model_name, self.tool_call_parser = tokenizer, model_name, tool_call_parser
         self.host, self.port, self.token = host, port, token
         self.sessions: dict[str, Session] = {}
@@ -389,7 +394,7 @@ class AgentEndpoint:
             budget = min(budget, max_tokens)
         if session.calls >= session.max_turns or budget < 1:
             session.truncated = True  # the text this request added after the last reply is not kept either
-            while session.mask and session.mask[-1] == 0 and session.versions[-1] == -1:
+            while session.mask and session.mask[-1] == 0:  # (every sampled token has mask 1)
                 for column in (session.ids, session.mask, session.log_probs, session.versions):
                     column.pop()
             return [], "length"
@@ -415,10 +420,11 @@ def _same(a: dict, b: dict) -> bool:
     """Whether message `b` repeats `a` (one of the endpoint's replies, marked in `a`, repeats any assistant message)."""
     if a["role"] != b["role"]:
         return False
-    if a["role"] == "assistant" and a["content"].startswith("BATON-REPLY-"):
+    if a["role"] == "assistant" and a["content"].startswith(_REPLY.split("{")[0]):
         return True
     return a["content"] == b["content"] and json.dumps(a.get("tool_calls"), sort_keys=True) == \
         json.dumps(b.get("tool_calls"), sort_keys=True)
 
 
-__all__ = ["AgentEndpoint", "EndpointError", "MAX_BODY_BYTES", "Session", "checked_messages", "is_loopback"]
+__all__ = ["AgentEndpoint", "EndpointError", "MAX_BODY_BYTES", "Session", "check_settings", "checked_messages",
+           "is_loopback"]

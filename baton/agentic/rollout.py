@@ -86,19 +86,12 @@ class AgenticSettings:
             raise ValueError(f"agentic.env_timeout_s={self.env_timeout_s} and agent_timeout_s={self.agent_timeout_s} "
                              "must be > 0")
         if self.agent is not None:
-            from baton.agentic.endpoint import is_loopback
-            from baton.agentic.tools import TOOL_CALL_PARSERS
+            from baton.agentic.endpoint import check_settings
             from baton.config import import_object
 
             check_call(import_object(self.agent), f"agentic.agent {self.agent!r}",
                        "fn(base_url, task, seed, **agentic.agent_kwargs)", "", {}, 0, **self.agent_kwargs)
-            if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-                raise ValueError(f"agentic.tool_call_parser {self.tool_call_parser!r} is not one of "
-                                 f"{sorted(TOOL_CALL_PARSERS)} (or null)")
-            if not is_loopback(self.endpoint_host) and not self.endpoint_token:
-                raise ValueError(f"agentic.endpoint_host {self.endpoint_host!r} serves the engines beyond this "
-                                 "machine; set agentic.endpoint_token (clients send it as their API key), or keep "
-                                 "127.0.0.1")
+            check_settings(self.tool_call_parser, self.endpoint_host, self.endpoint_token)
         # A bad name or import path, or a factory or methods whose signatures do not fit, fail when the config is read.
         check_env(ENVIRONMENTS.get(self.env, key="agentic.env"), f"agentic.env {self.env!r}", self.env_kwargs)
 

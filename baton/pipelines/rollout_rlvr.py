@@ -224,12 +224,8 @@ class RolloutRLVRPipeline(Pipeline):
 
     @property
     def lookahead(self) -> int:
-        """How many steps' rollouts are prepared ahead of the one training: none in sync mode, one in one_step_off
-        and in free-running async (whose producer generates beside it), max_staleness in deterministic async."""
-        system = self.config.rollout_system
-        if system.mode == "sync":
-            return 0
-        return system.max_staleness if system.mode == "async" and system.deterministic else 1
+        """How many steps' rollouts are prepared ahead of the one training (`RolloutSystemConfig.lookahead`)."""
+        return self.config.rollout_system.lookahead
 
     def pipeline_state(self) -> dict:
         """Besides the loop's (and the algorithm's): the data source (its buffer and the partial samples in it) and,

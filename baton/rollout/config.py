@@ -130,6 +130,14 @@ class RolloutSystemConfig:
     max_num_seqs_per_engine: int = 256
     probe_every_syncs: int = 1
 
+    @property
+    def lookahead(self) -> int:
+        """How many steps' rollouts are prepared ahead of the one training: none in sync mode, one in one_step_off
+        and in free-running async (whose producer generates beside it), max_staleness in deterministic async."""
+        if self.mode == "sync":
+            return 0
+        return self.max_staleness if self.mode == "async" and self.deterministic else 1
+
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"rollout_system.mode {self.mode!r} is not one of {MODES}")
@@ -173,11 +181,10 @@ class RolloutSystemConfig:
             if self.max_new_tokens_per_rollout < 1 or not self.partial_rollout:
                 raise ValueError(f"rollout_system.max_new_tokens_per_rollout={self.max_new_tokens_per_rollout} needs "
                                  "partial_rollout: true and a value >= 1 (tokens per sample per rollout)")
-            lookahead = self.max_staleness if self.mode == "async" else 1  # the rollouts run ahead (deterministic)
-            if (self.deterministic and self.mode != "sync" and lookahead + 1 > self.max_staleness
+            if (self.deterministic and self.mode != "sync" and self.lookahead + 1 > self.max_staleness
                     and not (self.mask_stale_partial_tokens or self.stale_policy == "withhold")):
                 raise ValueError("rollout_system.max_new_tokens_per_rollout in deterministic mode: a continued "
-                                 f"sample's first tokens are {lookahead + 1} versions old when it trains, over "
+                                 f"sample's first tokens are {self.lookahead + 1} versions old when it trains, over "
                                  f"max_staleness={self.max_staleness}; set mask_stale_partial_tokens: true or "
                                  "stale_policy: withhold")
         for name, registry in PLUGINS.items():
